@@ -1,0 +1,5 @@
+import sys
+
+from halfmoon.cli import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+from protos import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "room", "input_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    room: int
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class KVDestination(_message.Message):
+    __slots__ = ("room", "decode_segment", "dst_page_ids", "pre_len", "prompt_len", "want_checksums", "decode_worker_id")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRE_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    WANT_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    decode_segment: str
+    dst_page_ids: _containers.RepeatedScalarFieldContainer[int]
+    pre_len: int
+    prompt_len: int
+    want_checksums: bool
+    decode_worker_id: str
+    def __init__(self, room: _Optional[int] = ..., decode_segment: _Optional[str] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., pre_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., want_checksums: _Optional[bool] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
+
+class SetDestinationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefillResult(_message.Message):
+    __slots__ = ("room", "first_token_id", "first_logprob", "cached_tokens", "pages_sent", "bytes_sent", "queue_seconds", "prefill_seconds", "transfer_seconds")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    first_token_id: int
+    first_logprob: _common_pb2.TokenLogprob
+    cached_tokens: int
+    pages_sent: int
+    bytes_sent: int
+    queue_seconds: float
+    prefill_seconds: float
+    transfer_seconds: float
+    def __init__(self, room: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., pages_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
+
+class KVNotice(_message.Message):
+    __slots__ = ("room", "ok", "error", "first_token_id", "first_logprob", "cached_tokens", "pages_sent", "page_checksums")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    ok: bool
+    error: str
+    first_token_id: int
+    first_logprob: _common_pb2.TokenLogprob
+    cached_tokens: int
+    pages_sent: int
+    page_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, room: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., pages_sent: _Optional[int] = ..., page_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
