@@ -1,0 +1,338 @@
+"""The halfmoon metric catalog: every Prometheus metric of every service, defined once, here.
+
+Services import the objects they own and update them; nothing else defines metrics. Each quantity
+is counted by exactly one service (its *owner*), so a PromQL ``sum(...)`` over all scrape targets
+never double-counts. Names follow Prometheus conventions: prefix ``halfmoon_<owner>_``, base units
+in the name (``_seconds``, ``_bytes``, ``_tokens``, ``_pages``, ``_ratio``), counters end in
+``_total``.
+
+Exposition and labels
+---------------------
+Each process serves ``/metrics`` with :func:`start_metrics_server`, which exposes only the metric
+groups its role owns (``router`` → router; ``prefill`` → prefill + transfer; ``decode`` → decode;
+``registry`` → registry), plus the Python process collectors and ``halfmoon_worker_info``. A
+process therefore never exports all-zero series for quantities another service owns.
+
+Worker identity is **not** a label on every metric: it comes from the scrape target (Prometheus'
+``instance`` label, and on Kubernetes the pod/service labels a ServiceMonitor attaches; the Helm
+chart's metrics Services are per role, so ``job`` names the role). The info gauge
+``halfmoon_worker_info{role, worker_id, model, version} = 1`` carries the rest; join on
+``instance`` when a panel needs the worker id, e.g.
+``halfmoon_decode_kv_pool_usage_ratio * on(instance) group_left(worker_id) halfmoon_worker_info``.
+
+Catalog (owner — name — type — labels — meaning)
+------------------------------------------------
+router (router_svc; tokens and latencies as the client sees them, one count per client request)
+  - ``halfmoon_router_requests_total`` counter {status, policy}: finished client requests;
+    status ∈ :data:`REQUEST_STATUSES` (ok, error, cancelled, timeout, invalid, rejected).
+  - ``halfmoon_router_time_to_first_token_seconds`` histogram: request arrival → first token sent.
+  - ``halfmoon_router_inter_token_latency_seconds`` histogram: gap between consecutive streamed
+    tokens of one request (one observation per token after the first).
+  - ``halfmoon_router_e2e_request_latency_seconds`` histogram: arrival → last token / error.
+  - ``halfmoon_router_retries_total`` counter {leg}: pair re-picks after a failed leg before the first
+    token; leg ∈ {prefill, decode}.
+  - ``halfmoon_router_requests_in_flight`` gauge: requests accepted and not yet finished.
+  - ``halfmoon_router_prompt_tokens_total`` counter: prompt tokens of client requests (after the chat
+    template), counted once per request whatever the retries.
+  - ``halfmoon_router_completion_tokens_total`` counter: tokens streamed to clients.
+prefill (prefill_svc; work done by prefill workers, retried attempts included)
+  - ``halfmoon_prefill_queue_requests`` gauge {queue}: requests per stage; queue ∈
+    :data:`PREFILL_QUEUES` (waiting_destination, prefilling, transferring).
+  - ``halfmoon_prefill_prompt_tokens_total`` counter: prompt tokens of Prefill RPCs accepted.
+  - ``halfmoon_prefill_cached_tokens_total`` counter: of those, tokens served from the prefill radix
+    cache (prefix hits; not recomputed). Hit rate = cached / prompt.
+  - ``halfmoon_prefill_batch_size_requests`` histogram: requests per prefill forward batch.
+  - ``halfmoon_prefill_batch_tokens`` histogram: extend tokens per prefill forward batch.
+  - ``halfmoon_prefill_compute_seconds`` histogram: wall seconds of one prefill forward batch
+    (``_sum`` is total compute time, so ``rate(_sum)`` is the busy fraction).
+transfer (transfer_svc engine, counted on the **sender**, i.e. in the prefill process; label-free)
+  - ``halfmoon_transfer_pages_total`` counter: KV pages written to decode peers.
+  - ``halfmoon_transfer_bytes_total`` counter: bytes written (GB/s = ``rate(...)/1e9`` in PromQL).
+  - ``halfmoon_transfer_batch_seconds`` histogram: one submitted batch, submit → all writes complete.
+  - ``halfmoon_transfer_failures_total`` counter {reason}: failed batches; reason ∈
+    :data:`TRANSFER_FAILURE_REASONS` (timeout, peer_unreachable, remote_error, checksum_mismatch,
+    aborted, other). All reasons are pre-initialised to 0 so rates exist before the first failure.
+decode (decode_svc)
+  - ``halfmoon_decode_queue_requests`` gauge {queue}: queue ∈ :data:`DECODE_QUEUES`: prealloc
+    (waiting for KV pages), transfer (pages allocated, waiting for the prefill's KV + notice),
+    waiting (KV committed, waiting to join the running batch).
+  - ``halfmoon_decode_running_requests`` gauge: requests in the running (continuous) batch.
+  - ``halfmoon_decode_kv_pool_usage_ratio`` gauge: 1 − free/total pages of the KV pool, in [0, 1]
+    (evictable radix pages count as used; see ``halfmoon_decode_kv_pool_pages``).
+  - ``halfmoon_decode_kv_pool_pages`` gauge {state}: pages per state ∈ :data:`KV_PAGE_STATES`
+    (free, evictable, locked, owned); the states sum to the pool size.
+  - ``halfmoon_decode_prompt_tokens_total`` counter: prompt tokens of requests pre-allocated.
+  - ``halfmoon_decode_prefix_hit_tokens_total`` counter: of those, tokens matched in the decode radix
+    cache (sum of ``pre_len``; not transferred). Hit rate = prefix_hit / prompt.
+  - ``halfmoon_decode_generated_tokens_total`` counter: tokens sampled by decode workers (first token
+    from the prefill notice excluded).
+  - ``halfmoon_decode_evicted_pages_total`` counter: radix-cache pages evicted (LRU) to make room.
+  - ``halfmoon_decode_kv_wait_seconds`` histogram: pre-allocation done → KV committed (notice
+    verified), per request.
+registry (transfer_svc registry service, ``halfmoon serve-transfer``)
+  - ``halfmoon_registry_workers`` gauge {role}: live registered workers; role ∈ {prefill, decode}.
+  - ``halfmoon_registry_expired_leases_total`` counter: segments dropped because heartbeats stopped.
+  - ``halfmoon_registry_lookups_total`` counter {result}: GetSegment calls; result ∈ {found,
+    not_found}.
+every process
+  - ``halfmoon_worker_info`` gauge {role, worker_id, model, version} = 1 (set by
+    :func:`start_metrics_server`), and prometheus_client's ``process_*`` / ``python_*`` collectors.
+
+Histogram buckets (seconds) span CPU and GPU: TTFT 5 ms–120 s, ITL 0.5 ms–5 s, forward 0.5 ms–60 s,
+transfer batch 10 µs–10 s (one UCX put is ≈1 µs on shared memory, ≈8 µs through cuda_ipc;
+research/FACTS.md).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
+from prometheus_client import disable_created_metrics
+from prometheus_client.exposition import start_http_server
+
+# The `*_created` timestamp series only double the exposition in the text format; nothing reads them.
+disable_created_metrics()
+
+__all__ = [
+    "ROLES", "GROUPS_BY_ROLE", "REQUEST_STATUSES", "PREFILL_QUEUES", "DECODE_QUEUES",
+    "KV_PAGE_STATES", "TRANSFER_FAILURE_REASONS", "REGISTRY_LOOKUP_RESULTS", "METRICS_BY_GROUP",
+    "build_registry", "start_metrics_server", "stop_metrics_servers",
+]
+
+# --- label values (documented sets; use these constants rather than string literals) ----------
+REQUEST_STATUSES = ("ok", "error", "cancelled", "timeout", "invalid", "rejected")
+RETRY_LEGS = ("prefill", "decode")
+PREFILL_QUEUES = ("waiting_destination", "prefilling", "transferring")
+DECODE_QUEUES = ("prealloc", "transfer", "waiting")
+KV_PAGE_STATES = ("free", "evictable", "locked", "owned")
+TRANSFER_FAILURE_REASONS = (
+    "timeout", "peer_unreachable", "remote_error", "checksum_mismatch", "aborted", "other")
+WORKER_ROLES = ("prefill", "decode")
+REGISTRY_LOOKUP_RESULTS = ("found", "not_found")
+
+# --- buckets (seconds unless named otherwise) --------------------------------------------------
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+                3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+               0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+               300.0, 600.0)
+COMPUTE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0)
+TRANSFER_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
+                    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+KV_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0, 60.0, 120.0)
+BATCH_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+# Metrics are created unregistered (registry=None) and attached per process by build_registry(),
+# so a process exports only the groups its role owns.
+_R = None
+
+# --- router -------------------------------------------------------------------------------------
+ROUTER_REQUESTS = Counter(
+    "halfmoon_router_requests_total", "Finished client requests by final status and routing policy.",
+    ["status", "policy"], registry=_R)
+ROUTER_TTFT = Histogram(
+    "halfmoon_router_time_to_first_token_seconds",
+    "Seconds from request arrival at the router to the first token sent to the client.",
+    buckets=TTFT_BUCKETS, registry=_R)
+ROUTER_ITL = Histogram(
+    "halfmoon_router_inter_token_latency_seconds",
+    "Seconds between consecutive tokens streamed to the client (one observation per token after the first).",
+    buckets=ITL_BUCKETS, registry=_R)
+ROUTER_E2E = Histogram(
+    "halfmoon_router_e2e_request_latency_seconds",
+    "Seconds from request arrival to the last token or the error.",
+    buckets=E2E_BUCKETS, registry=_R)
+ROUTER_RETRIES = Counter(
+    "halfmoon_router_retries_total",
+    "Prefill/decode pair re-picks after a leg failed before the first token, by failed leg.",
+    ["leg"], registry=_R)
+ROUTER_IN_FLIGHT = Gauge(
+    "halfmoon_router_requests_in_flight", "Client requests accepted and not yet finished.",
+    registry=_R)
+ROUTER_PROMPT_TOKENS = Counter(
+    "halfmoon_router_prompt_tokens_total",
+    "Prompt tokens of client requests (after the chat template), once per request.", registry=_R)
+ROUTER_COMPLETION_TOKENS = Counter(
+    "halfmoon_router_completion_tokens_total", "Completion tokens streamed to clients.", registry=_R)
+
+# --- prefill ------------------------------------------------------------------------------------
+PREFILL_QUEUE = Gauge(
+    "halfmoon_prefill_queue_requests",
+    "Requests in each prefill stage: waiting_destination, prefilling, transferring.",
+    ["queue"], registry=_R)
+PREFILL_PROMPT_TOKENS = Counter(
+    "halfmoon_prefill_prompt_tokens_total", "Prompt tokens of accepted Prefill RPCs.", registry=_R)
+PREFILL_CACHED_TOKENS = Counter(
+    "halfmoon_prefill_cached_tokens_total",
+    "Prompt tokens served from the prefill radix cache (prefix hits, not recomputed).", registry=_R)
+PREFILL_BATCH_SIZE = Histogram(
+    "halfmoon_prefill_batch_size_requests", "Requests per prefill forward batch.",
+    buckets=BATCH_REQUEST_BUCKETS, registry=_R)
+PREFILL_BATCH_TOKENS = Histogram(
+    "halfmoon_prefill_batch_tokens", "Extend (computed) tokens per prefill forward batch.",
+    buckets=BATCH_TOKEN_BUCKETS, registry=_R)
+PREFILL_COMPUTE_SECONDS = Histogram(
+    "halfmoon_prefill_compute_seconds", "Wall seconds of one prefill forward batch.",
+    buckets=COMPUTE_BUCKETS, registry=_R)
+
+# --- transfer (sender side: the prefill process) -----------------------------------------------
+TRANSFER_PAGES = Counter(
+    "halfmoon_transfer_pages_total", "KV pages written to decode peers (sender side).", registry=_R)
+TRANSFER_BYTES = Counter(
+    "halfmoon_transfer_bytes_total", "KV bytes written to decode peers (sender side).", registry=_R)
+TRANSFER_BATCH_SECONDS = Histogram(
+    "halfmoon_transfer_batch_seconds",
+    "Seconds from submitting one transfer batch to completion of all its writes.",
+    buckets=TRANSFER_BUCKETS, registry=_R)
+TRANSFER_FAILURES = Counter(
+    "halfmoon_transfer_failures_total", "Failed transfer batches by reason (sender side).",
+    ["reason"], registry=_R)
+
+# --- decode -------------------------------------------------------------------------------------
+DECODE_QUEUE = Gauge(
+    "halfmoon_decode_queue_requests",
+    "Requests in each decode queue: prealloc, transfer, waiting (KV committed, not yet running).",
+    ["queue"], registry=_R)
+DECODE_RUNNING = Gauge(
+    "halfmoon_decode_running_requests", "Requests in the running decode batch.", registry=_R)
+DECODE_KV_USAGE = Gauge(
+    "halfmoon_decode_kv_pool_usage_ratio", "Used fraction of the decode KV pool: 1 - free/total pages.",
+    registry=_R)
+DECODE_KV_PAGES = Gauge(
+    "halfmoon_decode_kv_pool_pages", "Decode KV pool pages by state (free, evictable, locked, owned).",
+    ["state"], registry=_R)
+DECODE_PROMPT_TOKENS = Counter(
+    "halfmoon_decode_prompt_tokens_total", "Prompt tokens of requests pre-allocated on decode.",
+    registry=_R)
+DECODE_PREFIX_HIT_TOKENS = Counter(
+    "halfmoon_decode_prefix_hit_tokens_total",
+    "Prompt tokens matched in the decode radix cache (sum of pre_len; not transferred).", registry=_R)
+DECODE_GENERATED_TOKENS = Counter(
+    "halfmoon_decode_generated_tokens_total", "Tokens sampled by decode workers.", registry=_R)
+DECODE_EVICTED_PAGES = Counter(
+    "halfmoon_decode_evicted_pages_total", "Decode radix-cache pages evicted to make room.",
+    registry=_R)
+DECODE_KV_WAIT_SECONDS = Histogram(
+    "halfmoon_decode_kv_wait_seconds",
+    "Seconds from pre-allocation to the KV commit (completion notice verified), per request.",
+    buckets=KV_WAIT_BUCKETS, registry=_R)
+
+# --- registry -----------------------------------------------------------------------------------
+REGISTRY_WORKERS = Gauge(
+    "halfmoon_registry_workers", "Live registered workers by role.", ["role"], registry=_R)
+REGISTRY_EXPIRED_LEASES = Counter(
+    "halfmoon_registry_expired_leases_total", "Segments dropped because their lease expired.",
+    registry=_R)
+REGISTRY_LOOKUPS = Counter(
+    "halfmoon_registry_lookups_total", "GetSegment lookups by result (found, not_found).",
+    ["result"], registry=_R)
+
+# Known label values are created up front, so their series exist (at 0) from the first scrape:
+# rate() and alerts then work before the first event.
+for _reason in TRANSFER_FAILURE_REASONS:
+    TRANSFER_FAILURES.labels(reason=_reason)
+for _leg in RETRY_LEGS:
+    ROUTER_RETRIES.labels(leg=_leg)
+for _role in WORKER_ROLES:
+    REGISTRY_WORKERS.labels(role=_role)
+for _result in REGISTRY_LOOKUP_RESULTS:
+    REGISTRY_LOOKUPS.labels(result=_result)
+for _q in PREFILL_QUEUES:
+    PREFILL_QUEUE.labels(queue=_q)
+for _q in DECODE_QUEUES:
+    DECODE_QUEUE.labels(queue=_q)
+for _s in KV_PAGE_STATES:
+    DECODE_KV_PAGES.labels(state=_s)
+
+METRICS_BY_GROUP: dict[str, tuple] = {
+    "router": (ROUTER_REQUESTS, ROUTER_TTFT, ROUTER_ITL, ROUTER_E2E, ROUTER_RETRIES,
+               ROUTER_IN_FLIGHT, ROUTER_PROMPT_TOKENS, ROUTER_COMPLETION_TOKENS),
+    "prefill": (PREFILL_QUEUE, PREFILL_PROMPT_TOKENS, PREFILL_CACHED_TOKENS, PREFILL_BATCH_SIZE,
+                PREFILL_BATCH_TOKENS, PREFILL_COMPUTE_SECONDS),
+    "transfer": (TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES),
+    "decode": (DECODE_QUEUE, DECODE_RUNNING, DECODE_KV_USAGE, DECODE_KV_PAGES, DECODE_PROMPT_TOKENS,
+               DECODE_PREFIX_HIT_TOKENS, DECODE_GENERATED_TOKENS, DECODE_EVICTED_PAGES,
+               DECODE_KV_WAIT_SECONDS),
+    "registry": (REGISTRY_WORKERS, REGISTRY_EXPIRED_LEASES, REGISTRY_LOOKUPS),
+}
+# role of a process -> metric groups it exports (transfer is counted on the sender = prefill).
+GROUPS_BY_ROLE: dict[str, tuple[str, ...]] = {
+    "router": ("router",),
+    "prefill": ("prefill", "transfer"),
+    "decode": ("decode",),
+    "registry": ("registry",),
+}
+ROLES = tuple(GROUPS_BY_ROLE)
+
+_servers: list = []
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("halfmoon")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_registry(role: str | None = None, *, worker_id: str = "", model: str = "",
+                   groups: Iterable[str] | None = None) -> CollectorRegistry:
+    """A fresh CollectorRegistry with the metrics a process of ``role`` owns.
+
+    ``role`` ∈ :data:`ROLES` selects groups by :data:`GROUPS_BY_ROLE`; ``groups`` (names in
+    :data:`METRICS_BY_GROUP`) overrides that; with neither, every group is exported (tests, tools).
+    Sets ``halfmoon_worker_info{role, worker_id, model, version}`` to 1 when ``role`` is given.
+    Raises ValueError for an unknown role or group.
+    """
+    if role is not None and role not in GROUPS_BY_ROLE:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if groups is None:
+        groups = GROUPS_BY_ROLE[role] if role is not None else tuple(METRICS_BY_GROUP)
+    groups = tuple(groups)
+    unknown = [g for g in groups if g not in METRICS_BY_GROUP]
+    if unknown:
+        raise ValueError(f"unknown metric group(s) {unknown}; known: {tuple(METRICS_BY_GROUP)}")
+    reg = CollectorRegistry(auto_describe=True)
+    for group in groups:
+        for metric in METRICS_BY_GROUP[group]:
+            reg.register(metric)
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        reg.register(collector)
+    info = Gauge("halfmoon_worker_info", "Identity of this process (value 1).",
+                 ["role", "worker_id", "model", "version"], registry=reg)
+    if role is not None:
+        info.labels(role=role, worker_id=worker_id or f"{role}-{os.getpid()}",
+                           model=model, version=_version()).set(1)
+    return reg
+
+
+def start_metrics_server(port: int, host: str | None = None, *, role: str | None = None,
+                         worker_id: str = "", model: str = "",
+                         groups: Iterable[str] | None = None) -> int:
+    """Serve ``/metrics`` (Prometheus text format) on ``host:port`` in a daemon thread.
+
+    ``port`` 0 picks a free port. ``host`` defaults to ``$HALFMOON_METRICS_HOST`` or 127.0.0.1
+    (the Helm chart sets the variable to 0.0.0.0 so Prometheus can scrape the pod IP). ``role``,
+    ``worker_id``, ``model`` and ``groups``: see :func:`build_registry`. Returns the bound port.
+    Raises OSError when the port is taken, ValueError for an unknown role/group.
+    """
+    host = host or os.environ.get("HALFMOON_METRICS_HOST") or "127.0.0.1"
+    registry = build_registry(role, worker_id=worker_id, model=model, groups=groups)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    _servers.append(server)
+    return int(server.server_address[1])
+
+
+def stop_metrics_servers() -> None:
+    """Shut down every server started by :func:`start_metrics_server` in this process."""
+    while _servers:
+        server = _servers.pop()
+        server.shutdown()
+        server.server_close()
