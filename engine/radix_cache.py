@@ -1,0 +1,460 @@
+"""Paged radix (prefix) cache: a radix tree over token ids whose edges are whole KV pages.
+
+Design after SGLang's ``mem_cache/radix_cache.py`` (page-aligned keys, per-node lock refs along the
+path to the root, LRU eviction of unlocked leaves), written for halfmoon's memory model:
+
+* a page allocator owns ``num_pages`` pages of ``page_size`` tokens; slot = page * page_size + offset;
+* ``req_to_token[row, pos] -> slot`` (int64), and position ``pos`` of a request always lives at offset
+  ``pos % page_size`` of its page, so the slots of a page-aligned prefix are whole pages;
+* a node's ``value`` holds the slots of its ``key`` tokens; the tree *owns* those pages until it
+  evicts them (then it hands the page ids back through ``free_pages``).
+
+Only full pages are cached: ``match_prefix`` and ``insert`` look at ``len(tokens) // page_size``
+pages and ignore a partial last page. Sizes are counted in pages. A page of the tree is
+*protected* while some node on or below it is locked (``lock_ref > 0``), otherwise *evictable*.
+Accounting invariant the caller keeps (``check_invariants`` verifies it when given the numbers):
+
+    free pages + evictable_size() + protected_size() + pages owned by running requests = num_pages
+
+Usage (one request; ``alloc`` is the page allocator, ``cache`` a ``RadixCache(page_size, alloc)``)::
+
+    # 1. match + lock. For a local prefill keep >= 1 token to compute (logits of the last token):
+    prefix_slots, node = cache.match_prefix(prompt[: len(prompt) - 1])   # int64 [pre_len]
+    pre_len = len(prefix_slots)                                         # multiple of page_size
+    cache.inc_lock_ref(node)
+    # 2. alloc the delta: pages for positions pre_len .. seq_len (evict first if the pool is short)
+    need = ceil((seq_len - pre_len) / page_size)
+    if alloc.num_free() < need:
+        cache.evict(need - alloc.num_free())
+    delta_pages = alloc.alloc(need)          # -> RESOURCE_EXHAUSTED-style error if still short
+    req_to_token[row, :pre_len] = prefix_slots
+    req_to_token[row, pre_len:seq_len] = slots_of(delta_pages)[: seq_len - pre_len]
+    # 3. extend: forward with out_cache_loc = req_to_token[row, pre_len:seq_len]; decode steps ...
+    # 4. insert committed tokens only (KV written). When the request ends, the last sampled token
+    #    has no KV yet: committed = (prompt + output)[: kv_len]
+    slots = req_to_token[row, :kv_len]
+    n_dup = cache.insert(committed, slots)   # tokens [0, n_dup) were already in the tree
+    # 5. free duplicates: our pages in [pre_len, n_dup) duplicate the tree's; the tree now owns
+    #    pages [n_dup, kv_len // page_size * page_size); we free the partial tail page ourselves.
+    alloc.free(pages_of(slots[pre_len:n_dup]))
+    alloc.free(pages_of(req_to_token[row, kv_len // page_size * page_size : seq_len_alloc]))
+    # 6. unlock the prefix we matched in step 1
+    cache.dec_lock_ref(node)
+
+For a request that keeps running (chunked prefill), insert the committed chunk, free the
+duplicates as in 5, then ``match_prefix`` again, lock the new node, unlock the old one and rewrite
+``req_to_token[row, :new_len]`` with the tree's slots (its own pages in the tree stay where they are).
+
+Hashing: each page carries the chained ``engine.page_hash`` key of its prefix (stable across
+processes), and with ``enable_events=True`` the tree records ``CacheEvent``s (inserted / evicted
+page ranges) for KV-aware routing, read with ``drain_events()``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+from engine.page_hash import ROOT_HASH, page_hash
+
+
+class PageFreer(Protocol):
+    def free(self, page_ids: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """Pages that entered or left the tree.
+
+    kind: ``"insert"`` or ``"evict"``.
+    page_hashes: chained page hashes (``engine.page_hash``), one per page, in sequence order.
+    parent_hash: hash of the page before the first one (``seed`` at position 0).
+    token_start, token_end: the token positions [start, end) those pages cover (multiples of
+        page_size) in any sequence with this prefix.
+    """
+
+    kind: Literal["insert", "evict"]
+    page_hashes: tuple[int, ...]
+    parent_hash: int
+    token_start: int
+    token_end: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Snapshot for servers (``/metrics``, ``GetLoad``) and tests; sizes in pages.
+
+    min_lock_ref is over non-root nodes (0 for an empty tree); node_count excludes the root.
+    """
+
+    node_count: int
+    evictable_pages: int
+    protected_pages: int
+    min_lock_ref: int
+    max_lock_ref: int
+
+
+@dataclass(eq=False)
+class TreeNode:
+    """One edge of the tree: ``key`` tokens (a multiple of page_size) with their ``value`` slots."""
+
+    key: list[int]
+    value: torch.Tensor  # int64 [len(key)], slots
+    hashes: list[int]  # chained page hash of each page of key
+    start: int  # token position of key[0] in the sequence
+    parent: TreeNode | None = None
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key)
+
+
+class RadixCache:
+    """Radix tree over page-aligned token prefixes; see the module docstring for usage.
+
+    Args:
+        page_size: tokens per page (>= 1).
+        free_pages: where evicted pages go: an object with ``free(page_ids)`` (the page allocator)
+            or a callable taking ``page_ids``; page_ids is a 1-D int64 tensor.
+        enable_events: record ``CacheEvent``s for ``drain_events()``.
+        seed: page-hash seed (``engine.page_hash.ROOT_HASH`` by default).
+    Not thread-safe: call it from the scheduler thread only.
+    """
+
+    def __init__(self, page_size: int, free_pages: PageFreer | Callable[[torch.Tensor], None],
+                 *, enable_events: bool = False, seed: int = ROOT_HASH):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._free = free_pages.free if hasattr(free_pages, "free") else free_pages
+        if not callable(self._free):
+            raise TypeError("free_pages must have free(page_ids) or be callable")
+        self.enable_events = enable_events
+        self.seed = seed
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget everything WITHOUT freeing pages (use at start-up or after the pool is rebuilt)."""
+        self.root = TreeNode(key=[], value=torch.empty(0, dtype=torch.int64), hashes=[], start=0)
+        self.root.lock_ref = 1  # never evicted, never counted
+        self._evictable = 0
+        self._protected = 0
+        self._clock = 0
+        self._events: list[CacheEvent] = []
+
+    def evictable_size(self) -> int:
+        """Pages in unlocked nodes (freeable by ``evict`` once their subtree is gone)."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Pages in locked nodes (on the path of some in-use prefix)."""
+        return self._protected
+
+    def total_size(self) -> int:
+        """Pages held by the tree."""
+        return self._evictable + self._protected
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, tokens: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached page-aligned prefix of ``tokens``.
+
+        Args:
+            tokens: token ids (list of ints or a 1-D integer tensor).
+        Returns:
+            (slots, node): slots is int64 [pre_len] with pre_len a multiple of page_size (0 on a
+            miss); node is the tree node ending exactly at pre_len (the root on a miss), to pass to
+            ``inc_lock_ref``/``dec_lock_ref``. Marks the matched nodes as recently used; may split a
+            node so that ``node`` ends at pre_len.
+        """
+        key = self._as_list(tokens)
+        n = len(key) // self.page_size * self.page_size
+        node, pos = self._walk(key, n, split=True)
+        # gather values along the path root -> node
+        parts: list[torch.Tensor] = []
+        cur = node
+        while cur is not self.root:
+            parts.append(cur.value)
+            cur = cur.parent
+        if not parts:
+            return torch.empty(0, dtype=torch.int64), node
+        parts.reverse()
+        return torch.cat(parts), node
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor) -> int:
+        """Cache the full pages of ``tokens`` whose KV is written at ``slots``.
+
+        Args:
+            tokens: committed token ids (KV written for every one of them), length L.
+            slots: int64 [L], ``req_to_token[row, :L]``. Only the first L // page_size * page_size
+                are used; each of those pages must be whole (slot[i*ps] % ps == 0, consecutive).
+        Returns:
+            How many leading tokens (a multiple of page_size) were already in the tree. The tree
+            keeps its own slots for those; the caller frees its duplicate pages in that range (those
+            it did not get from ``match_prefix``). Slots from that length up to the page-aligned
+            length now belong to the tree.
+        Raises:
+            ValueError: length mismatch, wrong dtype/shape, or slots not forming whole pages.
+        """
+        key = self._as_list(tokens)
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype != torch.int64:
+            raise ValueError("slots must be a 1-D int64 tensor")
+        if slots.numel() != len(key):
+            raise ValueError(f"slots has {slots.numel()} entries for {len(key)} tokens")
+        ps = self.page_size
+        n = len(key) // ps * ps
+        node, pos = self._walk(key, n, split=True)
+        if pos < n:
+            new_slots = slots[pos:n].to("cpu", copy=True)
+            self._check_pages(new_slots)
+            parent_hash = node.hashes[-1] if node is not self.root else self.seed
+            hashes = []
+            h = parent_hash
+            for s in range(pos, n, ps):
+                h = page_hash(h, key[s:s + ps])
+                hashes.append(h)
+            leaf = TreeNode(key=key[pos:n], value=new_slots, hashes=hashes, start=pos, parent=node,
+                            last_access=self._clock)
+            node.children[tuple(key[pos:pos + ps])] = leaf
+            self._evictable += len(hashes)
+            if self.enable_events:
+                self._events.append(CacheEvent("insert", tuple(hashes), parent_hash, pos, n))
+        return pos
+
+    # ------------------------------------------------------------------ locks
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock ``node`` and its ancestors (their pages become protected).
+
+        Returns:
+            Pages moved from evictable to protected by this call.
+        """
+        moved = 0
+        while node is not self.root:
+            if node.lock_ref == 0:
+                pages = len(node.hashes)
+                self._evictable -= pages
+                self._protected += pages
+                moved += pages
+            node.lock_ref += 1
+            node = node.parent
+        return moved
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one ``inc_lock_ref(node)``.
+
+        Returns:
+            Pages moved from protected back to evictable.
+        Raises:
+            RuntimeError: a lock count would drop below zero (unbalanced unlock); nothing changes.
+        """
+        cur = node
+        while cur is not self.root:
+            if cur.lock_ref <= 0:
+                raise RuntimeError("dec_lock_ref without a matching inc_lock_ref")
+            cur = cur.parent
+        moved = 0
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                pages = len(node.hashes)
+                self._protected -= pages
+                self._evictable += pages
+                moved += pages
+            node = node.parent
+        return moved
+
+    # ------------------------------------------------------------------ evict
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` pages from least-recently-used unlocked leaves.
+
+        Pages leave from the tail of a leaf (a leaf may be trimmed, keeping its prefix cached); a
+        node whose subtree is gone becomes a leaf and is considered in its turn. Locked nodes and
+        nodes with children are never touched. Freed page ids go to ``free_pages`` in one call.
+
+        Returns:
+            Pages freed: min(num_pages, what could be freed).
+        """
+        if num_pages <= 0:
+            return 0
+        ps = self.page_size
+        heap = [(n.last_access, i, n) for i, n in enumerate(self._leaves()) if n.lock_ref == 0]
+        heapq.heapify(heap)
+        tiebreak = len(heap)
+        freed: list[torch.Tensor] = []
+        left = num_pages
+        while left > 0 and heap:
+            _, _, leaf = heapq.heappop(heap)
+            pages = len(leaf.hashes)
+            take = min(pages, left)
+            keep = pages - take
+            gone = leaf.value[keep * ps:]
+            freed.append(gone[::ps] // ps)
+            if self.enable_events:
+                parent_hash = leaf.hashes[keep - 1] if keep else (
+                    leaf.parent.hashes[-1] if leaf.parent is not self.root else self.seed)
+                self._events.append(CacheEvent("evict", tuple(leaf.hashes[keep:]), parent_hash,
+                                               leaf.start + keep * ps, leaf.end))
+            self._evictable -= take
+            left -= take
+            if keep:
+                leaf.key = leaf.key[:keep * ps]
+                leaf.value = leaf.value[:keep * ps]
+                leaf.hashes = leaf.hashes[:keep]
+                continue
+            parent = leaf.parent
+            del parent.children[tuple(leaf.key[:ps])]
+            leaf.parent = None
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, tiebreak, parent))
+                tiebreak += 1
+        if freed:
+            self._free(torch.cat(freed))
+        return num_pages - left
+
+    # ------------------------------------------------------------------ events, stats
+    def drain_events(self) -> list[CacheEvent]:
+        """Return and clear the recorded events (empty unless ``enable_events``)."""
+        out, self._events = self._events, []
+        return out
+
+    def stats(self) -> CacheStats:
+        """O(nodes) snapshot: node count, evictable/protected pages, min/max lock ref."""
+        count, lo, hi = 0, None, 0
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            count += 1
+            lo = n.lock_ref if lo is None else min(lo, n.lock_ref)
+            hi = max(hi, n.lock_ref)
+            stack.extend(n.children.values())
+        return CacheStats(count, self._evictable, self._protected, lo or 0, hi)
+
+    def check_invariants(self, *, num_pages: int | None = None, free_pages: int | None = None,
+                         owned_pages: int = 0, expect_unlocked: bool = False) -> CacheStats:
+        """Verify the tree (O(nodes)); raise AssertionError naming the first broken rule.
+
+        Checks: keys page-aligned and non-empty, values int64 of whole pages, children keyed by
+        their first page, positions and hash chains consistent, lock_ref >= 0 and a parent's
+        lock_ref >= each child's, the evictable/protected counters equal a recount, no page held
+        twice. With ``num_pages`` and ``free_pages``: free + evictable + protected + owned_pages ==
+        num_pages. With ``expect_unlocked``: every lock count is 0 (all requests ended).
+        Returns:
+            ``stats()``.
+        """
+        ps = self.page_size
+        evictable = protected = 0
+        seen: set[int] = set()
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            for first, c in n.children.items():
+                assert c.parent is n, "child.parent mismatch"
+                assert len(c.key) > 0 and len(c.key) % ps == 0, "key not page-aligned"
+                assert tuple(c.key[:ps]) == first, "child keyed by the wrong page"
+                assert c.value.dtype == torch.int64 and c.value.numel() == len(c.key), "bad value"
+                assert len(c.hashes) == len(c.key) // ps, "hash count"
+                assert c.start == n.end, "start position"
+                h = n.hashes[-1] if n is not self.root else self.seed
+                for i, s in enumerate(range(0, len(c.key), ps)):
+                    h = page_hash(h, c.key[s:s + ps])
+                    assert c.hashes[i] == h, "hash chain broken"
+                assert c.lock_ref >= 0, f"negative lock_ref {c.lock_ref}"
+                if n is not self.root:
+                    assert n.lock_ref >= c.lock_ref, "parent less locked than child"
+                if expect_unlocked:
+                    assert c.lock_ref == 0, f"lock_ref {c.lock_ref} after all requests ended"
+                pages = c.value.view(-1, ps)
+                assert bool((pages[:, 0] % ps == 0).all()), "slot run not page-aligned"
+                assert bool((pages == pages[:, :1] + torch.arange(ps)).all()), "page not whole"
+                ids = (pages[:, 0] // ps).tolist()
+                assert seen.isdisjoint(ids) and len(set(ids)) == len(ids), "page held twice"
+                seen.update(ids)
+                if c.lock_ref:
+                    protected += len(ids)
+                else:
+                    evictable += len(ids)
+                stack.append(c)
+        assert evictable == self._evictable, f"evictable {self._evictable} != recount {evictable}"
+        assert protected == self._protected, f"protected {self._protected} != recount {protected}"
+        if num_pages is not None and free_pages is not None:
+            total = free_pages + evictable + protected + owned_pages
+            assert total == num_pages, (f"free {free_pages} + evictable {evictable} + protected "
+                                        f"{protected} + owned {owned_pages} = {total} != pool {num_pages}")
+        return self.stats()
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _as_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
+        if isinstance(tokens, torch.Tensor):
+            if tokens.dim() != 1:
+                raise ValueError("tokens must be 1-D")
+            return tokens.tolist()
+        return list(tokens)
+
+    def _walk(self, key: list[int], n: int, split: bool) -> tuple[TreeNode, int]:
+        """Follow key[:n] (n page-aligned) down the tree; return (deepest node, matched tokens).
+
+        Matched nodes get a fresh access stamp; a node matched only partly is split first so that
+        its unmatched tail keeps its old stamp.
+        """
+        ps = self.page_size
+        self._clock += 1
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(tuple(key[pos:pos + ps]))
+            if child is None:
+                break
+            m = ps
+            ck = child.key
+            while m < len(ck) and pos + m < n and ck[m:m + ps] == key[pos + m:pos + m + ps]:
+                m += ps
+            if m < len(ck):
+                child = self._split(child, m)
+            child.last_access = self._clock
+            node, pos = child, pos + m
+            if m < len(ck):
+                break
+        return node, pos
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child`` after ``m`` tokens (page-aligned); return the new upper node."""
+        ps = self.page_size
+        upper = TreeNode(key=child.key[:m], value=child.value[:m], hashes=child.hashes[:m // ps],
+                         start=child.start, parent=child.parent, lock_ref=child.lock_ref,
+                         last_access=child.last_access)
+        upper.parent.children[tuple(child.key[:ps])] = upper
+        child.key = child.key[m:]
+        child.value = child.value[m:]
+        child.hashes = child.hashes[m // ps:]
+        child.start += m
+        child.parent = upper
+        upper.children[tuple(child.key[:ps])] = child
+        return upper
+
+    def _check_pages(self, slots: torch.Tensor) -> None:
+        ps = self.page_size
+        pages = slots.view(-1, ps)
+        if not bool((pages[:, 0] % ps == 0).all()) or not bool(
+                (pages == pages[:, :1] + torch.arange(ps)).all()):
+            raise ValueError("slots of a page-aligned prefix must be whole pages "
+                             "(slot = page * page_size + offset, offset = position % page_size)")
+        if bool((pages[:, 0] < 0).any()):
+            raise ValueError("negative slot")
+
+    def _leaves(self) -> list[TreeNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            else:
+                out.append(n)
+        return out
