@@ -1,0 +1,27 @@
+"""halfmoon engine: what prefill and decode workers share. Imports no service.
+
+Files (one concept each):
+  config.py              ModelConfig (from HF config.json / engine/configs/<shape>.json), EngineConfig
+  errors.py              InvalidRequestError(field), ResourceExhaustedError
+  page_allocator.py      PageAllocator: free list of KV pages; alloc_slots(cur_len, new_len, last_slot)
+  req_to_token_pool.py   ReqToTokenPool: rows x max_context -> slot (int64)
+  kv_pool.py             KVPool: per-layer K/V [num_pages*page_size, kv_heads, head_dim];
+                         buffers() = [K_0, V_0, K_1, ...], page_bytes (bytes of one page in one buffer)
+  forward_batch.py       ForwardBatch (EXTEND | DECODE, packed ragged tokens, out_cache_loc)
+  attention/             AttentionBackend interface (base.py), torch backend (torch_backend.py)
+  models/llama.py        Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2); models/rotary.py
+  model_loader.py        HF safetensors or dummy weights for a named shape
+  model_runner.py        ModelRunner: model + pools + allocator + backend; forward(batch) -> logits
+  sampling_params.py     SamplingParams.validate(vocab_size, max_context, prompt_len)
+  sampler.py             batch sampling (greedy, temperature, top-k/p, min-p, seed, penalties, logprobs)
+  detokenizer.py         incremental detokenizer with stop strings (no split UTF-8 characters)
+  scheduler.py           continuous-batching scheduler (co-located), radix cache wiring
+  engine.py              Engine: generate(...) and add_request/step streaming API
+  radix_cache.py         page-aligned radix tree (issue 3, another owner)
+  model_store.py         local model cache (names -> HF directories)
+
+Seams the PD services use: ``ModelRunner`` (drive it directly with ``ForwardBatch.build`` and an
+explicit ``out_cache_loc``), ``runner.req_to_token_pool`` / ``runner.allocator`` /
+``runner.kv_pool.buffers()`` + ``page_bytes`` (register with the transfer engine), ``sampler.sample``
+with ``SamplingParams``.
+"""

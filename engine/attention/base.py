@@ -1,0 +1,40 @@
+"""Attention-backend interface.
+
+A backend owns nothing but per-forward metadata: :meth:`init_forward` runs once per
+:class:`~engine.forward_batch.ForwardBatch` (before layer 0), then every layer calls :meth:`forward`,
+which stores the new tokens' K/V at ``batch.out_cache_loc`` and attends over each request's row
+``req_to_token[row, 0:seq_len]`` (causal within the extend part).
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.kv_pool import KVPool
+from engine.req_to_token_pool import ReqToTokenPool
+
+
+class AttentionBackend(abc.ABC):
+    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, num_heads: int,
+                 num_kv_heads: int, head_dim: int, scale: float | None = None):
+        self.kv_pool = kv_pool
+        self.req_to_token_pool = req_to_token_pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale if scale is not None else head_dim**-0.5
+
+    @abc.abstractmethod
+    def init_forward(self, batch: ForwardBatch) -> None:
+        """Precompute what all layers share for this batch (gather indices, masks, ...)."""
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (new tokens only).
+
+        Writes k, v at ``batch.out_cache_loc`` of ``layer``; returns [T, num_heads * head_dim].
+        """

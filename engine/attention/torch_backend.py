@@ -1,0 +1,56 @@
+"""The ``torch`` attention backend: gather each request's pages via ``req_to_token`` and run masked
+``scaled_dot_product_attention``. Works on any device; it is the reference the others are tested
+against. Extend runs one SDPA per request (ragged lengths); decode pads the batch to the longest
+sequence and masks the tail.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend
+from engine.forward_batch import ForwardBatch, ForwardMode
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def init_forward(self, batch: ForwardBatch) -> None:
+        r2t = self.req_to_token_pool.req_to_token
+        dev = r2t.device
+        seq = batch.seq_lens.tolist()
+        if batch.mode is ForwardMode.DECODE:
+            L = max(seq)
+            self._idx = r2t[batch.req_pool_indices.to(dev), :L]  # [B, L]
+            ar = torch.arange(L, device=dev)
+            self._mask = (ar[None, :] < batch.seq_lens.to(dev)[:, None])[:, None, None, :]  # [B,1,1,L]
+        else:
+            self._reqs = []
+            start = 0
+            for row, pre, ext, s in zip(batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(),
+                                        batch.extend_lens.tolist(), seq):
+                slots = r2t[row, :s]
+                q_pos = torch.arange(pre, pre + ext, device=dev)
+                mask = torch.arange(s, device=dev)[None, :] <= q_pos[:, None]  # [E, S]
+                self._reqs.append((start, start + ext, slots, mask))
+                start += ext
+
+    def forward(self, q, k, v, layer, batch):
+        pool = self.kv_pool
+        pool.write(layer, batch.out_cache_loc, k, v)
+        kb, vb = pool.k_buffers[layer], pool.v_buffers[layer]
+        H, D = self.num_heads, self.head_dim
+        if batch.mode is ForwardMode.DECODE:
+            kk = kb[self._idx].transpose(1, 2).to(q.dtype)  # [B, kvh, L, D]
+            vv = vb[self._idx].transpose(1, 2).to(q.dtype)
+            out = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=self._mask,
+                                                 scale=self.scale, enable_gqa=True)  # [B, H, 1, D]
+            return out.reshape(q.shape[0], H * D)
+        outs = []
+        for s, e, slots, mask in self._reqs:
+            kk = kb[slots].transpose(0, 1)[None].to(q.dtype)  # [1, kvh, S, D]
+            vv = vb[slots].transpose(0, 1)[None].to(q.dtype)
+            qq = q[s:e].transpose(0, 1)[None]  # [1, H, E, D]
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None], scale=self.scale,
+                                               enable_gqa=True)
+            outs.append(o[0].transpose(0, 1).reshape(e - s, H * D))
+        return torch.cat(outs, 0)

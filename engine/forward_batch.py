@@ -1,0 +1,82 @@
+"""ForwardBatch: what one model forward computes (an extend batch or a decode batch).
+
+Tokens of all requests are packed request after request (ragged; no padding):
+
+=================  ==============  ==================================================================
+field              dtype / shape   meaning
+=================  ==============  ==================================================================
+mode               ForwardMode     EXTEND (prefill on top of a cached prefix, 0 allowed) or DECODE
+input_ids          int64 [T]       new tokens
+positions          int64 [T]       their positions (prefix_len .. seq_len-1 per request)
+req_pool_indices   int64 [B]       each request's row in ``req_to_token``
+seq_lens           int64 [B]       tokens per request after this forward (prefix + new)
+prefix_lens        int64 [B]       tokens whose K/V are already in the pool (``pre_len``)
+extend_lens        int64 [B]       new tokens per request (decode: all 1); sum == T
+out_cache_loc      int64 [T]       slots to write the new tokens' K/V into
+=================  ==============  ==================================================================
+
+Rows of ``req_to_token`` must already hold ``out_cache_loc`` at positions ``[prefix_len, seq_len)``
+(the attention backend reads the whole row ``[0, seq_len)``); :meth:`ForwardBatch.build` does not
+write them, the caller does (``ReqToTokenPool.write``), so D can write its delta slots itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Sequence
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.numel())
+
+    @classmethod
+    def build(cls, mode: ForwardMode, rows: Sequence[int], prefix_lens: Sequence[int],
+              token_ids: Sequence[Sequence[int]], out_cache_loc: torch.Tensor,
+              device: str | torch.device = "cpu") -> "ForwardBatch":
+        """Pack requests: ``token_ids[i]`` are request i's new tokens at positions ``prefix_lens[i]..``.
+
+        Raises ValueError when the lengths do not agree or DECODE is given != 1 token per request.
+        """
+        ext = [len(t) for t in token_ids]
+        if not (len(rows) == len(prefix_lens) == len(token_ids)):
+            raise ValueError("rows, prefix_lens and token_ids must have one entry per request")
+        if mode is ForwardMode.DECODE and any(e != 1 for e in ext):
+            raise ValueError("a DECODE batch has exactly one new token per request")
+        if any(e < 1 for e in ext):
+            raise ValueError("every request needs at least one new token")
+        if out_cache_loc.numel() != sum(ext):
+            raise ValueError(f"out_cache_loc has {out_cache_loc.numel()} slots for {sum(ext)} tokens")
+        flat = [t for ts in token_ids for t in ts]
+        pos = [p for pre, e in zip(prefix_lens, ext) for p in range(pre, pre + e)]
+        dev = torch.device(device)
+        i64 = dict(dtype=torch.int64, device=dev)
+        return cls(
+            mode=mode,
+            input_ids=torch.tensor(flat, **i64),
+            positions=torch.tensor(pos, **i64),
+            req_pool_indices=torch.tensor(list(rows), **i64),
+            seq_lens=torch.tensor([p + e for p, e in zip(prefix_lens, ext)], **i64),
+            prefix_lens=torch.tensor(list(prefix_lens), **i64),
+            extend_lens=torch.tensor(ext, **i64),
+            out_cache_loc=out_cache_loc.to(dev, torch.int64),
+        )

@@ -1,0 +1,63 @@
+"""ModelRunner: owns the model, the KV pool, the request-row pool, the page allocator and the
+attention backend, and runs one :class:`~engine.forward_batch.ForwardBatch` at a time.
+
+It knows nothing about requests or scheduling, so the co-located scheduler, the prefill service
+(chunked extend batches, then reads its pages) and the decode service (writes a row ``[prefix
+slots | delta slots]``, receives the delta's K/V by transfer, then runs decode steps) all drive it
+the same way::
+
+    runner = ModelRunner(EngineConfig(...))
+    row = runner.req_to_token_pool.alloc()
+    slots = runner.allocator.alloc_slots(0, len(ids), None)
+    runner.req_to_token_pool.write(row, 0, slots)
+    batch = ForwardBatch.build(ForwardMode.EXTEND, [row], [0], [ids], slots)
+    logits = runner.forward(batch)          # float32 [1, vocab]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import create_backend
+from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch
+from engine.kv_pool import KVPool, pages_for_budget
+from engine.model_loader import load_model
+from engine.page_allocator import PageAllocator
+from engine.req_to_token_pool import ReqToTokenPool
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        config.apply_threads()
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.model, self.model_path = load_model(config.model, config.load_format, self.dtype,
+                                                 self.device, config.seed)
+        mc = self.model_config = self.model.config
+        self.page_size = config.page_size
+        self.max_context = config.max_context or mc.max_position_embeddings
+        num_pages = config.num_pages or pages_for_budget(
+            config.kv_memory, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+            self.dtype, self.device)
+        self.kv_pool = KVPool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads,
+                              mc.head_dim, self.dtype, self.device)
+        self.allocator = PageAllocator(num_pages, config.page_size, self.device)
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context, self.device)
+        self.backend = create_backend(config.attention_backend, kv_pool=self.kv_pool,
+                                      req_to_token_pool=self.req_to_token_pool, num_heads=mc.num_heads,
+                                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one batch; writes the new tokens' K/V at ``batch.out_cache_loc``.
+
+        Returns float32 logits [B, vocab] of each request's last new token (or of the packed token
+        rows in ``logit_index``, int64 [N]).
+        """
+        return self.model(batch, self.backend, logit_index)
