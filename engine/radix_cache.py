@@ -16,34 +16,38 @@ Accounting invariant the caller keeps (``check_invariants`` verifies it when giv
 
     free pages + evictable_size() + protected_size() + pages owned by running requests = num_pages
 
-Usage (one request; ``alloc`` is the page allocator, ``cache`` a ``RadixCache(page_size, alloc)``)::
+Usage (one request; ``alloc`` is ``engine.page_allocator.PageAllocator``, ``r2t`` the
+``ReqToTokenPool``, ``cache = RadixCache(page_size, alloc)``; evicted pages go to ``alloc.free``)::
 
-    # 1. match + lock. For a local prefill keep >= 1 token to compute (logits of the last token):
-    prefix_slots, node = cache.match_prefix(prompt[: len(prompt) - 1])   # int64 [pre_len]
-    pre_len = len(prefix_slots)                                         # multiple of page_size
+    # 1. match + lock. A local prefill keeps >= 1 token to compute (it needs the last logits);
+    #    decode in PD matches the whole prompt (a full hit moves 0 pages).
+    prefix_slots, node = cache.match_prefix(prompt[: len(prompt) - 1])   # int64 [pre_len], CPU
+    pre_len = prefix_slots.numel()                                       # multiple of page_size
     cache.inc_lock_ref(node)
-    # 2. alloc the delta: pages for positions pre_len .. seq_len (evict first if the pool is short)
-    need = ceil((seq_len - pre_len) / page_size)
-    if alloc.num_free() < need:
-        cache.evict(need - alloc.num_free())
-    delta_pages = alloc.alloc(need)          # -> RESOURCE_EXHAUSTED-style error if still short
-    req_to_token[row, :pre_len] = prefix_slots
-    req_to_token[row, pre_len:seq_len] = slots_of(delta_pages)[: seq_len - pre_len]
-    # 3. extend: forward with out_cache_loc = req_to_token[row, pre_len:seq_len]; decode steps ...
-    # 4. insert committed tokens only (KV written). When the request ends, the last sampled token
-    #    has no KV yet: committed = (prompt + output)[: kv_len]
-    slots = req_to_token[row, :kv_len]
+    # 2. alloc the delta, positions [pre_len, seq_len); evict unlocked leaves if the pool is short
+    need = alloc.pages_needed(pre_len, seq_len)
+    if alloc.num_free < need:
+        cache.evict(need - alloc.num_free)
+    delta = alloc.alloc_slots(pre_len, seq_len, None)   # None: still short -> unlock, queue or
+                                                        # ResourceExhaustedError if it never fits
+    r2t.write(row, 0, prefix_slots); r2t.write(row, pre_len, delta)
+    # 3. extend: forward with out_cache_loc = r2t.req_to_token[row, pre_len:seq_len]; decode ...
+    # 4. insert committed tokens only (KV written). At the end of a request the last sampled token
+    #    has no KV: kv_len = len(prompt) + len(output) - 1, committed = (prompt + output)[:kv_len]
+    slots = r2t.slots(row, 0, kv_len)
     n_dup = cache.insert(committed, slots)   # tokens [0, n_dup) were already in the tree
     # 5. free duplicates: our pages in [pre_len, n_dup) duplicate the tree's; the tree now owns
-    #    pages [n_dup, kv_len // page_size * page_size); we free the partial tail page ourselves.
-    alloc.free(pages_of(slots[pre_len:n_dup]))
-    alloc.free(pages_of(req_to_token[row, kv_len // page_size * page_size : seq_len_alloc]))
-    # 6. unlock the prefix we matched in step 1
+    #    [n_dup, kv_len // page_size * page_size); the partial tail page(s) stay ours to free.
+    alloc.free_slots(slots[pre_len:n_dup])
+    alloc.free_slots(r2t.slots(row, kv_len // page_size * page_size, allocated_len))
+    # 6. unlock the prefix matched in step 1 (then free the request row)
     cache.dec_lock_ref(node)
 
-For a request that keeps running (chunked prefill), insert the committed chunk, free the
-duplicates as in 5, then ``match_prefix`` again, lock the new node, unlock the old one and rewrite
-``req_to_token[row, :new_len]`` with the tree's slots (its own pages in the tree stay where they are).
+For a request that keeps running (chunked prefill, or caching a decode in progress): insert the
+committed tokens and free the duplicates [pre_len, n_dup) as in 5, then
+``new_slots, new_node = match_prefix(committed)``, ``inc_lock_ref(new_node)``, ``dec_lock_ref(node)``,
+write ``new_slots`` into ``req_to_token[row, :len(new_slots)]`` (it replaces the freed duplicates),
+and continue with ``pre_len = len(new_slots)``; the request owns only its pages from there on.
 
 Hashing: each page carries the chained ``engine.page_hash`` key of its prefix (stable across
 processes), and with ``enable_events=True`` the tree records ``CacheEvent``s (inserted / evicted
