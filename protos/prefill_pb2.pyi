@@ -64,7 +64,7 @@ class PrefillResult(_message.Message):
     def __init__(self, room: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., pages_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
 
 class KVNotice(_message.Message):
-    __slots__ = ("room", "ok", "error", "first_token_id", "first_logprob", "cached_tokens", "pages_sent", "page_checksums")
+    __slots__ = ("room", "ok", "error", "first_token_id", "first_logprob", "cached_tokens", "pages_sent", "page_checksums", "sampler_state")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class KVNotice(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGES_SENT_FIELD_NUMBER: _ClassVar[int]
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     room: int
     ok: bool
     error: str
@@ -81,4 +82,5 @@ class KVNotice(_message.Message):
     cached_tokens: int
     pages_sent: int
     page_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, room: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., pages_sent: _Optional[int] = ..., page_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    sampler_state: bytes
+    def __init__(self, room: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., pages_sent: _Optional[int] = ..., page_checksums: _Optional[_Iterable[int]] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,113 @@
+"""Destination book: D's ``KVDestination`` messages held by room until P's request claims them.
+
+D and P are called concurrently, so a destination may arrive before P has the request (buffered,
+with a TTL) or after P finished computing (the request waits for it). Aborted rooms leave a
+tombstone for a while so that a late ``SetDestination`` or ``Prefill`` for them is refused instead
+of holding pages forever. Thread-safe: servicer threads offer/abort, the scheduler takes/expires.
+
+Rule that makes D's page release safe: P answers every destination it *accepted* with exactly one
+KV notice (ok after the data, or ok=false when aborted/expired), so D can quarantine its
+destination pages until that notice (DESIGN.md §3 step 6; anchors §1.14 for the upstream gap).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class HeldDestination:
+    dest: object  # prefill_pb2.KVDestination
+    arrived: float  # monotonic seconds
+
+
+class DestinationBook:
+    """Room -> destination buffer with a TTL, plus tombstones of aborted rooms.
+
+    Args:
+        ttl_s: seconds an unclaimed destination is kept (P's "waiting for the request" bound).
+        tombstone_s: seconds an aborted/finished room keeps refusing late messages.
+        clock: monotonic clock (tests pass a fake).
+    """
+
+    def __init__(self, ttl_s: float, tombstone_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.ttl_s = ttl_s
+        self.tombstone_s = tombstone_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._held: dict[int, HeldDestination] = {}
+        self._claimed: set[int] = set()
+        self._tombstones: dict[int, float] = {}  # room -> expiry (monotonic)
+
+    def offer(self, dest) -> str | None:
+        """Buffer ``dest`` under ``dest.room``. Returns None when accepted, else why not
+        ("aborted", "duplicate")."""
+        room = int(dest.room)
+        with self._lock:
+            self._gc_tombstones()
+            if room in self._tombstones:
+                return "aborted"
+            if room in self._held or room in self._claimed:
+                return "duplicate"
+            self._held[room] = HeldDestination(dest, self._clock())
+            return None
+
+    def take(self, room: int):
+        """The destination for ``room`` (removed from the buffer, room marked claimed), or None."""
+        with self._lock:
+            held = self._held.pop(room, None)
+            if held is None:
+                return None
+            self._claimed.add(room)
+            return held.dest
+
+    def release(self, room: int, tombstone: bool = True):
+        """The request owning ``room`` ended; keep a tombstone so late messages are refused.
+
+        Returns the destination still buffered (unclaimed) for the room, to be answered, or None.
+        """
+        with self._lock:
+            self._claimed.discard(room)
+            held = self._held.pop(room, None)
+            if tombstone:
+                self._tombstones[room] = self._clock() + self.tombstone_s
+            return held.dest if held else None
+
+    def abort(self, room: int):
+        """Tombstone ``room``; returns its unclaimed destination (to answer with ok=false) or None."""
+        with self._lock:
+            self._tombstones[room] = self._clock() + self.tombstone_s
+            held = self._held.pop(room, None)
+            return held.dest if held else None
+
+    def is_aborted(self, room: int) -> bool:
+        with self._lock:
+            self._gc_tombstones()
+            return room in self._tombstones
+
+    def expire(self) -> list:
+        """Remove and return destinations unclaimed for longer than ``ttl_s`` (tombstoned)."""
+        now = self._clock()
+        out = []
+        with self._lock:
+            for room, held in list(self._held.items()):
+                if now - held.arrived > self.ttl_s:
+                    del self._held[room]
+                    self._tombstones[room] = now + self.tombstone_s
+                    out.append(held.dest)
+            self._gc_tombstones()
+        return out
+
+    def held_rooms(self) -> int:
+        """Rooms with a buffered (unclaimed) destination."""
+        with self._lock:
+            return len(self._held)
+
+    def _gc_tombstones(self) -> None:
+        now = self._clock()
+        for room in [r for r, t in self._tombstones.items() if t <= now]:
+            del self._tombstones[room]

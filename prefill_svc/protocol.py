@@ -1,0 +1,123 @@
+"""The PD protocol's shared pieces, used by both halves of a pair (prefill_svc and decode_svc).
+
+- request validation (before anything is allocated): ids, room, sampling -> InvalidRequestError
+  naming the field (services answer INVALID_ARGUMENT);
+- proto <-> engine conversions (SamplingParams, TokenLogprob);
+- the KV layout a worker publishes (``registry.proto`` KVLayout, "layer_major");
+- per-page checksums: ``crc32`` of page p's bytes in every buffer, K_0, V_0, K_1, ... in order
+  (the same bytes P sends; D recomputes them over its destination pages).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams, validate_prompt_ids
+from protos import common_pb2, registry_pb2
+
+MAX_ROOM = (1 << 63) - 1
+
+
+def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto -> engine SamplingParams; unset optional fields take the engine defaults."""
+    p = SamplingParams()
+    if sp.HasField("temperature"):
+        p.temperature = float(sp.temperature)
+    if sp.HasField("top_p"):
+        p.top_p = float(sp.top_p)
+    if sp.HasField("top_k"):
+        p.top_k = -1 if sp.top_k == 0 else int(sp.top_k)  # < -1 is rejected by validate()
+    if sp.HasField("min_p"):
+        p.min_p = float(sp.min_p)
+    if sp.HasField("seed"):
+        p.seed = int(sp.seed)
+    if sp.HasField("repetition_penalty"):
+        p.repetition_penalty = float(sp.repetition_penalty)
+    if sp.HasField("frequency_penalty"):
+        p.frequency_penalty = float(sp.frequency_penalty)
+    if sp.HasField("presence_penalty"):
+        p.presence_penalty = float(sp.presence_penalty)
+    if sp.HasField("max_tokens"):
+        p.max_tokens = int(sp.max_tokens)
+    p.stop = list(sp.stop)
+    p.stop_token_ids = [int(t) for t in sp.stop_token_ids]
+    p.ignore_eos = bool(sp.ignore_eos)
+    p.logprobs = bool(sp.logprobs)
+    p.top_logprobs = int(sp.top_logprobs)
+    return p
+
+
+def validate_request(room: int, input_ids: Sequence[int], sampling: common_pb2.SamplingParams,
+                     vocab_size: int, max_context: int) -> SamplingParams:
+    """Check one PD request; returns its engine SamplingParams.
+
+    Raises:
+        InvalidRequestError: field "room" (0 or above 2**63-1), "input_ids" (empty, or an id outside
+            [0, vocab_size)), or the sampling field at fault (see ``SamplingParams.validate``; a
+            prompt that leaves no room for max_tokens in ``max_context`` names "max_tokens", an
+            over-long prompt alone names "input_ids").
+    """
+    if not 0 < room <= MAX_ROOM:
+        raise InvalidRequestError("room", f"must be in [1, 2**63-1], got {room}")
+    ids = list(input_ids)
+    validate_prompt_ids(ids, vocab_size, field="input_ids")
+    if len(ids) >= max_context:
+        raise InvalidRequestError("input_ids", f"prompt of {len(ids)} tokens does not fit the context "
+                                               f"window of {max_context} tokens")
+    params = sampling_from_proto(sampling)
+    params.validate(vocab_size, max_context, len(ids))
+    return params
+
+
+def token_logprob(token_id: int, logprob: float | None,
+                  top: list[tuple[int, float]] | None) -> common_pb2.TokenLogprob:
+    msg = common_pb2.TokenLogprob(token_id=int(token_id), logprob=float(logprob or 0.0))
+    for t, lp in top or ():
+        msg.top.add(token_id=int(t), logprob=float(lp))
+    return msg
+
+
+def kv_layout(kv_pool, model: str) -> registry_pb2.KVLayout:
+    """The ``layer_major`` KVLayout of an ``engine.kv_pool.KVPool`` (buffers K_0, V_0, K_1, ...)."""
+    bufs = kv_pool.buffers()
+    return registry_pb2.KVLayout(
+        layout="layer_major", num_layers=kv_pool.num_layers, page_size=kv_pool.page_size,
+        num_pages=kv_pool.num_pages, kv_heads=kv_pool.num_kv_heads, head_dim=kv_pool.head_dim,
+        dtype=str(kv_pool.dtype).removeprefix("torch."),
+        buffer_addrs=[b.data_ptr() for b in bufs], page_bytes=kv_pool.page_bytes,
+        page_stride_bytes=kv_pool.page_bytes, model=model)
+
+
+def page_checksums(kv_pool, pages: Sequence[int]) -> list[int]:
+    """crc32 (zlib) of each page's bytes across every buffer in ``[K_0, V_0, K_1, ...]`` order.
+
+    Args:
+        kv_pool: an ``engine.kv_pool.KVPool`` (CPU memory; CUDA pools are copied to the host).
+        pages: physical page ids.
+    Returns:
+        One unsigned 32-bit int per page, in order.
+    """
+    ps = kv_pool.page_size
+    views = [b.view(-1, ps * b.shape[1] * b.shape[2]) for b in kv_pool.buffers()]
+    out = []
+    for p in pages:
+        crc = 0
+        for v in views:
+            row = v[int(p)]
+            if row.device.type != "cpu":
+                row = row.cpu()
+            crc = zlib.crc32(row.contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        out.append(crc)
+    return out
+
+
+def pages_of_slots(slots: torch.Tensor, page_size: int) -> list[int]:
+    """Page ids of a page-aligned run of slots (int64 [N], N a multiple of page_size, or a tail)."""
+    if slots.numel() == 0:
+        return []
+    s = slots.to("cpu", torch.int64)
+    return (s[::page_size] // page_size).tolist()

@@ -1,0 +1,80 @@
+"""Prefill gRPC servicer: validates, hands work to the scheduler thread, waits for the result.
+
+RPCs (protos/prefill.proto): ``Prefill`` (blocks until the KV is written and the notice is
+delivered, or the job fails), ``SetDestination`` (from D; may arrive before ``Prefill``),
+``Abort``, ``GetLoad``. Bad input -> INVALID_ARGUMENT naming the field, before anything is
+allocated; a prompt that can never fit the pool -> RESOURCE_EXHAUSTED. A cancelled ``Prefill``
+call (router/client gone) aborts its job.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from engine.errors import InvalidRequestError
+from prefill_svc.kv_runs import PoolGeometry
+from prefill_svc.protocol import MAX_ROOM, validate_request
+from prefill_svc.scheduler import Destination, PrefillJob, PrefillScheduler, ServiceError
+from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger("halfmoon.prefill")
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, scheduler: PrefillScheduler, transfer, worker_id: str, *,
+                 vocab_size: int, max_context: int):
+        self.sched = scheduler
+        self.transfer = transfer
+        self.worker_id = worker_id
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+
+    def Prefill(self, request, context):
+        try:
+            params = validate_request(request.room, request.input_ids, request.sampling,
+                                      self.vocab_size, self.max_context)
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        why = self.sched.never_fits(len(request.input_ids))
+        if why:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        job = PrefillJob(request_id=request.request_id, room=int(request.room),
+                         ids=list(request.input_ids), params=params)
+        fut = self.sched.submit(job)
+        context.add_callback(lambda: fut.done() or self.sched.abort(job.room, job.request_id,
+                                                                    "prefill call cancelled"))
+        try:
+            return fut.result()
+        except ServiceError as e:
+            context.abort(e.code, str(e))
+
+    def SetDestination(self, request, context):
+        if not 0 < request.room <= MAX_ROOM:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"room: must be in [1, 2**63-1], got {request.room}")
+        if not request.decode_segment:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_segment: empty")
+        if self.sched.book.is_aborted(int(request.room)):
+            context.abort(grpc.StatusCode.ABORTED, f"room {request.room} was aborted or has ended")
+        try:
+            seg = self.transfer.open_segment(request.decode_segment)
+        except Exception as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"decode_segment: cannot open {request.decode_segment!r}: {e}")
+        geom = PoolGeometry.from_layout(seg.kv_layout)
+        why = self.sched.offer_destination(Destination(request, seg, geom))
+        if why == "aborted":
+            context.abort(grpc.StatusCode.ABORTED, f"room {request.room} was aborted or has ended")
+        if why:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {request.room}: {why} destination")
+        return prefill_pb2.SetDestinationResponse()
+
+    def Abort(self, request, context):
+        found = self.sched.abort(int(request.room), request.request_id, request.reason or "abort RPC")
+        return common_pb2.AbortResponse(found=found)
+
+    def GetLoad(self, request, context):
+        rep = self.sched.load()
+        rep.worker_id = self.worker_id
+        return rep

@@ -1,0 +1,172 @@
+"""Test driver for one prefill/decode pair, calling the services over gRPC exactly like the router.
+
+For each request: mint a random 63-bit room (``secrets.randbits(63)``, never 0), then call
+``D.Generate`` (server stream) and ``P.Prefill`` concurrently, DecodeRequest carrying P's address.
+If the prefill leg fails before the first token the decode stream is cancelled, and vice versa.
+
+    drv = PDDriver(prefill_addr, decode_addr)
+    res = drv.generate([1, 2, 3], max_tokens=8)          # PDResult
+    results = drv.generate_many(prompts, concurrency=8, max_tokens=8)
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+
+@dataclass
+class PDResult:
+    """Outcome of one request through P and D.
+
+    tokens: every output token id (P's first token included), in order.
+    finish_reason: "stop" | "length" | "abort" | "" (stream broke before a finish).
+    decode_error / prefill_error: (grpc.StatusCode name, details) of a failed leg, else None.
+    chunks: the DecodeChunk messages as received; prefill: the PrefillResult (or None).
+    """
+
+    request_id: str
+    room: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str = ""
+    matched_stop: str = ""
+    chunks: list = field(default_factory=list)
+    prefill: object | None = None
+    decode_error: tuple[str, str] | None = None
+    prefill_error: tuple[str, str] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.decode_error is None and self.finish_reason in ("stop", "length")
+
+    @property
+    def last(self):
+        return self.chunks[-1] if self.chunks else None
+
+
+def sampling(max_tokens: int = 8, **kw) -> common_pb2.SamplingParams:
+    """SamplingParams with greedy decoding (temperature 0) unless overridden."""
+    kw.setdefault("temperature", 0.0)
+    return common_pb2.SamplingParams(max_tokens=max_tokens, **kw)
+
+
+class PDDriver:
+    """Drives requests through one P and one D over gRPC (channels are reused)."""
+
+    def __init__(self, prefill_addr: str, decode_addr: str, timeout_s: float = 120.0):
+        self.prefill_addr = prefill_addr
+        self.decode_addr = decode_addr
+        self.timeout_s = timeout_s
+        self._p_chan = grpc.insecure_channel(prefill_addr)
+        self._d_chan = grpc.insecure_channel(decode_addr)
+        self.prefill = prefill_pb2_grpc.PrefillStub(self._p_chan)
+        self.decode = decode_pb2_grpc.DecodeStub(self._d_chan)
+
+    def close(self) -> None:
+        self._p_chan.close()
+        self._d_chan.close()
+
+    # ------------------------------------------------------------------ one request
+    def start(self, input_ids, params: common_pb2.SamplingParams | None = None, *,
+              room: int | None = None, request_id: str | None = None,
+              send_prefill: bool = True, send_decode: bool = True) -> "PDCall":
+        """Start both legs; returns a PDCall to wait on or cancel."""
+        room = (secrets.randbits(63) or 1) if room is None else room
+        request_id = request_id or uuid.uuid4().hex[:16]
+        params = params or sampling()
+        call = PDCall(self, request_id, room)
+        if send_decode:
+            dreq = decode_pb2.DecodeRequest(request_id=request_id, room=room, input_ids=list(input_ids),
+                                            sampling=params, prefill_address=self.prefill_addr)
+            call._stream = self.decode.Generate(dreq, timeout=self.timeout_s)
+        if send_prefill:
+            preq = prefill_pb2.PrefillRequest(request_id=request_id, room=room,
+                                              input_ids=list(input_ids), sampling=params)
+            call._pfut = self.prefill.Prefill.future(preq, timeout=self.timeout_s)
+            call._pfut.add_done_callback(call._on_prefill_done)
+        return call
+
+    def generate(self, input_ids, max_tokens: int = 8, params=None, **kw) -> PDResult:
+        params = params or sampling(max_tokens)
+        return self.start(input_ids, params, **kw).wait()
+
+    def generate_many(self, prompts, max_tokens: int = 8, concurrency: int = 8,
+                      params=None) -> list[PDResult]:
+        """Run ``prompts`` (lists of ids) with up to ``concurrency`` in flight; results in order."""
+        with ThreadPoolExecutor(concurrency) as ex:
+            return list(ex.map(lambda p: self.generate(p, max_tokens, params=params), prompts))
+
+    def abort(self, room: int, request_id: str = "", *, prefill: bool = True,
+              decode: bool = True) -> tuple[bool, bool]:
+        """Abort RPC on both legs; returns (found on P, found on D)."""
+        req = common_pb2.AbortRequest(request_id=request_id, room=room, reason="test")
+        fp = self.prefill.Abort(req, timeout=10).found if prefill else False
+        fd = self.decode.Abort(req, timeout=10).found if decode else False
+        return fp, fd
+
+
+class PDCall:
+    """One in-flight request through P and D."""
+
+    def __init__(self, driver: PDDriver, request_id: str, room: int):
+        self.driver = driver
+        self.result = PDResult(request_id=request_id, room=room)
+        self._stream = None
+        self._pfut = None
+        self._first = threading.Event()
+
+    def _on_prefill_done(self, fut) -> None:
+        try:
+            self.result.prefill = fut.result()
+        except grpc.RpcError as e:
+            self.result.prefill_error = (e.code().name, e.details() or "")
+            if not self._first.is_set() and self._stream is not None:
+                self._stream.cancel()  # like the router: a failed leg before the first token
+        except grpc.FutureCancelledError:
+            self.result.prefill_error = ("CANCELLED", "cancelled by the driver")
+
+    def first_chunk(self, timeout: float | None = None) -> bool:
+        return self._first.wait(timeout)
+
+    def cancel(self) -> None:
+        """Client cancel: cancel both RPCs (the services see the cancellation)."""
+        if self._stream is not None:
+            self._stream.cancel()
+        if self._pfut is not None:
+            self._pfut.cancel()
+
+    def wait(self) -> PDResult:
+        r = self.result
+        if self._stream is not None:
+            try:
+                for chunk in self._stream:
+                    self._first.set()
+                    r.chunks.append(chunk)
+                    r.tokens.extend(chunk.token_ids)
+                    r.logprobs.extend(chunk.logprobs)
+                    if chunk.finish_reason:
+                        r.finish_reason = chunk.finish_reason
+                        r.matched_stop = chunk.matched_stop
+            except grpc.RpcError as e:
+                r.decode_error = (e.code().name, e.details() or "")
+                if self._pfut is not None and not self._pfut.done():
+                    self._pfut.cancel()
+        if self._pfut is not None:
+            try:
+                self._pfut.result(timeout=self.driver.timeout_s)
+            except Exception:  # recorded by the callback
+                pass
+            # the done-callback may still be running; give it a moment to record the outcome
+            for _ in range(100):
+                if r.prefill is not None or r.prefill_error is not None:
+                    break
+                threading.Event().wait(0.01)
+        return r
