@@ -50,6 +50,11 @@ class RouterStub:
                 request_serializer=protos_dot_router__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=protos_dot_router__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/halfmoon.v1.Router/ListWorkers',
+                request_serializer=protos_dot_router__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -73,6 +78,13 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListWorkers(self, request, context):
+        """the router's view of its pool
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +102,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=protos_dot_router__pb2.ListModelsRequest.FromString,
                     response_serializer=protos_dot_router__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=protos_dot_router__pb2.ListWorkersRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.ListWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +190,33 @@ class Router:
             '/halfmoon.v1.Router/ListModels',
             protos_dot_router__pb2.ListModelsRequest.SerializeToString,
             protos_dot_router__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/halfmoon.v1.Router/ListWorkers',
+            protos_dot_router__pb2.ListWorkersRequest.SerializeToString,
+            protos_dot_router__pb2.ListWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

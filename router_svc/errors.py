@@ -1,0 +1,53 @@
+"""The router's one error type: a gRPC status code, a message, and the offending request field.
+
+The gRPC service aborts with ``code`` and ``message``; the OpenAI HTTP layer maps ``code`` to an HTTP
+status and writes the standard body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+# gRPC status -> (HTTP status, OpenAI error type)
+_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+}
+
+
+class RouterError(Exception):
+    """A request the router cannot serve.
+
+    Attributes:
+        code: the gRPC status code returned to gRPC clients.
+        message: human-readable reason; names the field when ``param`` is set.
+        param: the request field at fault (``"max_tokens"``, ``"messages"``, ...), or None.
+        err_code: short machine code for OpenAI bodies (``"model_not_found"``, ...), or None.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None,
+                 err_code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.err_code = err_code
+
+    @classmethod
+    def invalid(cls, param: str, message: str, err_code: str | None = None) -> "RouterError":
+        """INVALID_ARGUMENT naming ``param``; the message is prefixed with the field name."""
+        return cls(grpc.StatusCode.INVALID_ARGUMENT, f"{param}: {message}", param, err_code)
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP.get(self.code, (500, "internal_error"))[0]
+
+    def openai_body(self) -> dict:
+        """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+        etype = _HTTP.get(self.code, (500, "internal_error"))[1]
+        return {"error": {"message": self.message, "type": etype, "param": self.param,
+                          "code": self.err_code or self.code.name.lower()}}

@@ -1,0 +1,54 @@
+"""``halfmoon.v1.Router`` gRPC servicer: Generate (server stream), Abort, ListModels, ListWorkers."""
+
+from __future__ import annotations
+
+import time
+
+
+from protos import common_pb2, router_pb2, router_pb2_grpc
+from router_svc.dispatch import Dispatcher
+from router_svc.errors import RouterError
+from router_svc.validation import prepare
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Validates, then streams :meth:`Dispatcher.generate`; errors become gRPC statuses.
+
+    The client's deadline (``context.time_remaining()``) bounds both legs; a cancelled call
+    (client cancel / disconnect / deadline) cancels the handler, and the dispatcher aborts both legs.
+    """
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.d = dispatcher
+
+    async def Generate(self, request, context):
+        arrival = time.monotonic()
+        try:
+            prep = prepare(request, self.d.tok)
+        except RouterError as exc:
+            self.d.count("invalid", arrival)
+            await context.abort(exc.code, exc.message)
+        try:
+            async for resp in self.d.generate(prep, timeout=context.time_remaining(), arrival=arrival):
+                yield resp
+        except RouterError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def Abort(self, request: common_pb2.AbortRequest, context):
+        return common_pb2.AbortResponse(found=self.d.abort(request.request_id, request.reason or "aborted by client"))
+
+    async def ListModels(self, request, context):
+        card = self.d.tok.card
+        return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(id=card.id, max_context=card.max_context)])
+
+    async def ListWorkers(self, request, context):
+        out = router_pb2.ListWorkersResponse()
+        for w in sorted(self.d.pool.workers.values(), key=lambda w: (w.role, w.worker_id)):
+            ws = out.workers.add(worker_id=w.worker_id, role=w.role, address=w.address, healthy=w.available,
+                                 inflight=w.inflight)
+            if w.load is not None:
+                ws.load.CopyFrom(w.load)
+        return out
+
+
+__all__ = ["RouterServicer"]

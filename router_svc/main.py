@@ -1,0 +1,136 @@
+"""``halfmoon serve-router``: the router process (gRPC ``halfmoon.v1.Router`` + OpenAI HTTP + /metrics).
+
+Example::
+
+    halfmoon serve-router --model smollm2-135m-instruct --port 50050 --http-port 8000 \\
+        --metrics-port 9100 --registry 127.0.0.1:50053 --prefill-policy cache_aware --decode-policy least_load
+
+Prints ``READY router grpc=<host:port> http=<host:port> metrics=<host:port>`` once serving. The
+gRPC health status (service "" and "halfmoon.v1.Router") is SERVING while at least one healthy
+prefill and one healthy decode worker are known, NOT_SERVING otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from engine.model_store import DEFAULT_MODEL, resolve_model
+from halfmoon.metrics import start_metrics_server, stop_metrics_servers
+from protos import router_pb2, router_pb2_grpc
+from router_svc.dispatch import Dispatcher
+from router_svc.grpc_service import RouterServicer
+from router_svc.openai_api import build_app
+from router_svc.policies import POLICY_NAMES, make_policy
+from router_svc.pool import WorkerPool
+from router_svc.tokenizer import RouterTokenizer
+from router_svc.worker import DECODE, PREFILL
+
+log = logging.getLogger("halfmoon.router")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF directory (tokenizer, chat template)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address of gRPC, HTTP and metrics")
+    p.add_argument("--port", type=int, default=50050, help="gRPC port (0 = pick a free one)")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0 = pick a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = pick a free one)")
+    p.add_argument("--registry", default="", help="registry host:port; workers come from WatchWorkers")
+    p.add_argument("--prefill", default="", help="static prefill workers host:port,... (instead of --registry)")
+    p.add_argument("--decode", default="", help="static decode workers host:port,... (instead of --registry)")
+    p.add_argument("--prefill-policy", default="cache_aware", choices=POLICY_NAMES)
+    p.add_argument("--decode-policy", default="cache_aware", choices=POLICY_NAMES)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (cache_aware prefix matching)")
+    p.add_argument("--health-interval", type=float, default=0.5, help="seconds between worker health/load polls")
+    p.add_argument("--max-attempts", type=int, default=2, help="PD pairs tried per request (2 = retry once)")
+    p.add_argument("--first-token-timeout", type=float, default=120.0, help="seconds to wait for the first token")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="deadline (seconds) when the client sets none")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _split(s: str) -> list[str]:
+    return [a.strip() for a in s.split(",") if a.strip()]
+
+
+async def serve(args: argparse.Namespace) -> int:
+    model_dir = resolve_model(args.model)
+    tok = RouterTokenizer(args.model if not os.path.isdir(args.model) else model_dir.name, model_dir)
+    pool = WorkerPool(model_names=(tok.card.id, str(model_dir)), health_interval=args.health_interval)
+    dispatcher = Dispatcher(tok, pool, make_policy(args.prefill_policy, args.page_size),
+                            make_policy(args.decode_policy, args.page_size), max_attempts=args.max_attempts,
+                            first_token_timeout=args.first_token_timeout, request_timeout=args.request_timeout)
+    if args.registry:
+        pool.watch_registry(args.registry)
+    pool.add_static(_split(args.prefill), _split(args.decode))
+    if not args.registry and not (args.prefill and args.decode):
+        raise SystemExit("serve-router: give --registry, or both --prefill and --decode")
+
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(dispatcher), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, reflection.SERVICE_NAME,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    reflection.enable_server_reflection(names, server)
+    grpc_port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if grpc_port == 0:
+        raise SystemExit(f"serve-router: cannot bind gRPC {args.host}:{args.port}")
+    await server.start()
+    metrics_port = start_metrics_server(args.metrics_port, args.host, role="router", worker_id="router",
+                                        model=tok.card.id)
+
+    config = uvicorn.Config(build_app(dispatcher), host=args.host, port=args.http_port, log_level="warning",
+                            lifespan="off")
+    http = uvicorn.Server(config)
+    http.capture_signals = contextlib.nullcontext  # SIGINT/SIGTERM are ours (below), not uvicorn's
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    http_task = asyncio.ensure_future(http.serve())
+    while not http.started:
+        if http_task.done():
+            raise SystemExit(f"serve-router: HTTP server failed to start on {args.host}:{args.http_port}")
+        await asyncio.sleep(0.05)
+    http_port = http.servers[0].sockets[0].getsockname()[1]
+
+    async def track_health() -> None:
+        last = None
+        while True:
+            ok = pool.healthy_count(PREFILL) > 0 and pool.healthy_count(DECODE) > 0
+            if ok != last:
+                status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+                for name in ("", names[0]):
+                    await health.set(name, status)
+                last = ok
+            await asyncio.sleep(0.1)
+
+    health_task = asyncio.ensure_future(track_health())
+    print(f"READY router grpc={args.host}:{grpc_port} http={args.host}:{http_port} "
+          f"metrics={args.host}:{metrics_port}", flush=True)
+    await asyncio.wait({asyncio.ensure_future(stop.wait()), http_task}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down")
+    health_task.cancel()
+    await health.enter_graceful_shutdown()
+    http.should_exit = True
+    await server.stop(grace=2.0)
+    await asyncio.wait({http_task}, timeout=5.0)
+    await pool.close()
+    stop_metrics_servers()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))

@@ -1,0 +1,301 @@
+"""OpenAI-compatible HTTP API on the router: ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models`` (+ ``/health``), JSON or server-sent events (``stream: true``).
+
+Requests map onto the same :class:`~protos.router_pb2.GenerateRequest` the gRPC API takes, and run
+through the same validation and dispatcher. Bodies follow the OpenAI API reference: usage with
+``prompt_tokens_details.cached_tokens``, logprobs in the completions (``tokens``/``token_logprobs``/
+``top_logprobs``/``text_offset``) and chat (``content: [{token, logprob, bytes, top_logprobs}]``)
+shapes, and errors as ``{"error": {"message", "type", "param", "code"}}`` (HTTP 400 for bad input,
+naming the field). vLLM-style extras are accepted: ``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from protos import common_pb2, router_pb2
+from router_svc.dispatch import Dispatcher
+from router_svc.errors import RouterError
+from router_svc.validation import DEFAULT_MAX_TOKENS, prepare
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # vLLM / SGLang extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    request_id: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
+    if body.n != 1:
+        raise RouterError.invalid("n", f"only n=1 is supported, got {body.n}")
+    if body.seed is not None and not (0 <= body.seed < 2**64):
+        raise RouterError.invalid("seed", f"must be in [0, 2**64), got {body.seed}")
+    s = common_pb2.SamplingParams(ignore_eos=body.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs)
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty", "max_tokens"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(s, name, value)
+    if body.stop is not None:
+        s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    if body.stop_token_ids:
+        s.stop_token_ids.extend(body.stop_token_ids)
+    return s
+
+
+def completion_to_proto(body: CompletionRequest) -> router_pb2.GenerateRequest:
+    """Map a /v1/completions body; raises RouterError naming the field for unsupported input."""
+    if body.echo:
+        raise RouterError.invalid("echo", "echo is not supported")
+    if body.suffix:
+        raise RouterError.invalid("suffix", "suffix is not supported")
+    if body.logprobs is not None and not (0 <= body.logprobs <= 20):
+        raise RouterError.invalid("logprobs", f"must be in [0, 20], got {body.logprobs}")
+    req = router_pb2.GenerateRequest(request_id=body.request_id or f"cmpl-{uuid.uuid4().hex}", model=body.model,
+                                     sampling=_sampling(body, body.logprobs is not None, body.logprobs or 0))
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise RouterError.invalid("prompt", "batched prompts are not supported; send one prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def chat_to_proto(body: ChatRequest) -> router_pb2.GenerateRequest:
+    """Map a /v1/chat/completions body (text content parts only)."""
+    if body.max_completion_tokens is not None and body.max_tokens is None:
+        body.max_tokens = body.max_completion_tokens
+    top = body.top_logprobs or 0
+    if top and not body.logprobs:
+        raise RouterError.invalid("top_logprobs", "needs logprobs: true")
+    req = router_pb2.GenerateRequest(request_id=body.request_id or f"chatcmpl-{uuid.uuid4().hex}", model=body.model,
+                                     sampling=_sampling(body, body.logprobs, top))
+    req.chat.SetInParent()
+    for i, m in enumerate(body.messages):
+        content = m.content or ""
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise RouterError.invalid("messages", f"message {i}: only text content parts are supported")
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        req.chat.messages.add(role=m.role, content=content)
+    return req
+
+
+def _usage(u: router_pb2.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+class _Logprobs:
+    """Accumulates OpenAI logprob entries from streamed TokenLogprob messages."""
+
+    def __init__(self, dispatcher: Dispatcher, chat: bool) -> None:
+        self.tok = dispatcher.tok
+        self.chat = chat
+        self.offset = 0
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.tok.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def convert(self, lps) -> dict | None:
+        if not lps:
+            return None
+        if self.chat:
+            return {"content": [dict(self._entry(lp.token_id, lp.logprob),
+                                     top_logprobs=[self._entry(t.token_id, t.logprob) for t in lp.top])
+                                for lp in lps]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            text = self.tok.token_text(lp.token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append({self.tok.token_text(t.token_id): t.logprob for t in lp.top} or None)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    @staticmethod
+    def merge(acc: dict | None, part: dict | None) -> dict | None:
+        if part is None:
+            return acc
+        if acc is None:
+            return part
+        for key, value in part.items():
+            acc[key].extend(value)
+        return acc
+
+
+def _error_response(exc: RouterError) -> JSONResponse:
+    return JSONResponse(exc.openai_body(), status_code=exc.http_status)
+
+
+def _sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+def build_app(dispatcher: Dispatcher) -> FastAPI:
+    """The FastAPI app serving the OpenAI routes over ``dispatcher``."""
+    app = FastAPI(title="halfmoon router", docs_url=None, redoc_url=None)
+    card = dispatcher.tok.card
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not isinstance(p, int)]
+        param = loc[0] if loc else None
+        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request body')}"
+        return _error_response(RouterError(grpc.StatusCode.INVALID_ARGUMENT, msg, param))
+
+    @app.exception_handler(RouterError)
+    async def _router_error(request: Request, exc: RouterError):
+        return _error_response(exc)
+
+    @app.get("/health")
+    async def health():
+        ok = dispatcher.pool.healthy_count("prefill") > 0 and dispatcher.pool.healthy_count("decode") > 0
+        return JSONResponse({"status": "ok" if ok else "no healthy workers"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": card.id, "object": "model", "created": 0, "owned_by": "halfmoon",
+                                            "max_model_len": card.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(request, completion_to_proto(body), body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await _serve(request, chat_to_proto(body), body, chat=True)
+
+    async def _serve(request: Request, req: router_pb2.GenerateRequest, body: _Common, chat: bool):
+        arrival = time.monotonic()
+        try:
+            prep = prepare(req, dispatcher.tok, default_max_tokens=None if chat else DEFAULT_MAX_TOKENS)
+        except RouterError:
+            dispatcher.count("invalid", arrival)
+            raise
+        model = card.id
+        created = int(time.time())
+        rid = prep.request_id
+        obj = "chat.completion" if chat else "text_completion"
+        lp = _Logprobs(dispatcher, chat)
+        stream = dispatcher.generate(prep, arrival=arrival)
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_stream(stream, rid, model, created, chat, lp, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _collect(request, stream, rid, model, created, obj, chat, lp)
+
+    async def _collect(request, stream, rid, model, created, obj, chat, lp):
+        async def consume():
+            text, logprobs, last = [], None, None
+            async for resp in stream:
+                text.append(resp.text)
+                logprobs = _Logprobs.merge(logprobs, lp.convert(resp.logprobs))
+                last = resp
+            return "".join(text), logprobs, last
+
+        task = asyncio.ensure_future(consume())
+        while not task.done():  # a client that disconnects cancels the request (and both legs)
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
+                                               "param": None, "code": "cancelled"}}, status_code=499)
+        text, logprobs, last = task.result()  # raises RouterError -> handler
+        choice = {"index": 0, "logprobs": logprobs, "finish_reason": last.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+                "usage": _usage(last.usage)}
+
+    async def _stream(stream, rid, model, created, chat, lp, include_usage) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": rid, "object": obj, "created": created, "model": model}
+        try:
+            if chat:
+                yield _sse(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]))
+            async for resp in stream:
+                if not resp.text and not resp.finish_reason and not resp.logprobs:
+                    continue
+                choice = {"index": 0, "logprobs": lp.convert(resp.logprobs), "finish_reason": resp.finish_reason or None}
+                if chat:
+                    choice["delta"] = {"content": resp.text} if resp.text else {}
+                else:
+                    choice["text"] = resp.text
+                yield _sse(dict(base, choices=[choice]))
+                if resp.finish_reason and include_usage:
+                    yield _sse(dict(base, choices=[], usage=_usage(resp.usage)))
+        except RouterError as exc:
+            yield _sse(exc.openai_body())
+        finally:
+            await stream.aclose()
+        yield _sse("[DONE]")
+
+    return app
+
+
+__all__ = ["build_app", "CompletionRequest", "ChatRequest"]

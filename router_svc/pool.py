@@ -1,0 +1,191 @@
+"""The router's worker pool: prefill and decode workers from a static list or the registry,
+health-checked and load-polled in the background.
+
+- Static list (``--prefill a:1,b:2 --decode c:3``): worker id = address.
+- Registry (``--registry host:port``): ``Registry.WatchWorkers`` gives a snapshot (ADDED events),
+  then ADDED / UPDATED / REMOVED as workers come and go; the stream is re-opened on failure.
+
+Every ``health_interval`` seconds each worker gets a ``grpc.health.v1.Health/Check`` and a
+``GetLoad``. A worker is *healthy* while its check answers SERVING; one failed check, or a call that
+fails with UNAVAILABLE (:meth:`WorkerPool.mark_failed`), makes it unhealthy until a check succeeds.
+Policies never pick unhealthy or removed workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import common_pb2, registry_pb2, registry_pb2_grpc
+from router_svc.policies import NoWorkerError, Policy
+from router_svc.worker import DECODE, PREFILL, Worker
+
+log = logging.getLogger("halfmoon.router.pool")
+
+_ROLE = {registry_pb2.PREFILL: PREFILL, registry_pb2.DECODE: DECODE}
+
+
+class WorkerPool:
+    """Workers by id, with background health/load polling.
+
+    Args:
+        model_names: model names this router serves; registry workers of another model are ignored.
+        health_interval: seconds between health checks / load polls of one worker.
+        check_timeout: seconds one check may take before it counts as failed.
+    """
+
+    def __init__(self, model_names: tuple[str, ...] = (), health_interval: float = 0.5,
+                 check_timeout: float = 2.0) -> None:
+        self.model_names = tuple(model_names)
+        self.health_interval = health_interval
+        self.check_timeout = check_timeout
+        self.workers: dict[str, Worker] = {}
+        self.policies: list[Policy] = []
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._registry_task: asyncio.Task | None = None
+        self.changed = asyncio.Event()
+
+    # -- membership -------------------------------------------------------------------------------
+    def add(self, worker_id: str, role: str, address: str) -> Worker:
+        """Add (or re-address) a worker and start polling it; call inside the event loop."""
+        old = self.workers.get(worker_id)
+        if old is not None and old.address == address and old.role == role and not old.removed:
+            return old
+        if old is not None:
+            self.remove(worker_id, "re-registered")
+        w = Worker(worker_id=worker_id, role=role, address=address)
+        w.connect()
+        self.workers[worker_id] = w
+        self._tasks[worker_id] = asyncio.get_running_loop().create_task(self._poll(w))
+        log.info("worker added: %s %s %s", role, worker_id, address)
+        self._notify()
+        return w
+
+    def remove(self, worker_id: str, reason: str = "") -> None:
+        """Remove a worker: never picked again; its in-flight calls fail over or end (dispatch)."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return
+        w.removed = True
+        w.healthy = False
+        task = self._tasks.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+        for p in self.policies:
+            p.forget(worker_id)
+        if w.channel is not None:
+            asyncio.get_running_loop().create_task(w.channel.close(grace=5.0))
+        log.info("worker removed: %s (%s)", worker_id, reason)
+        self._notify()
+
+    def by_role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def healthy_count(self, role: str) -> int:
+        return sum(1 for w in self.by_role(role) if w.available)
+
+    def pick(self, role: str, policy: Policy, input_ids: list[int], exclude: set[str] = frozenset()) -> Worker:
+        """Pick a worker of ``role`` with ``policy``, avoiding ``exclude`` when another is available.
+
+        Raises:
+            NoWorkerError: no available worker of that role.
+        """
+        workers = self.by_role(role)
+        preferred = [w for w in workers if w.worker_id not in exclude and w.available]
+        return policy.pick(preferred if preferred else workers, input_ids)
+
+    def mark_failed(self, w: Worker, why: str) -> None:
+        """A call to ``w`` failed with UNAVAILABLE: stop picking it until a health check passes."""
+        if w.healthy:
+            log.warning("worker %s marked unhealthy: %s", w.worker_id, why)
+        w.healthy = False
+        w.failures += 1
+        self._notify()
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    # -- polling ----------------------------------------------------------------------------------
+    async def _poll(self, w: Worker) -> None:
+        health = health_pb2_grpc.HealthStub(w.channel)
+        while not w.removed:
+            try:
+                resp = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.check_timeout)
+                ok = resp.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError as exc:
+                ok = False
+                if w.healthy:
+                    log.warning("health check of %s failed: %s", w.worker_id, exc.code().name)
+            if ok:
+                try:
+                    w.set_load(await w.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=self.check_timeout))
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        ok = False
+            if ok != w.healthy:
+                w.healthy = ok
+                log.info("worker %s is %s", w.worker_id, "healthy" if ok else "unhealthy")
+                self._notify()
+            await asyncio.sleep(self.health_interval)
+
+    # -- sources ----------------------------------------------------------------------------------
+    def add_static(self, prefill: list[str], decode: list[str]) -> None:
+        for addr in prefill:
+            self.add(addr, PREFILL, addr)
+        for addr in decode:
+            self.add(addr, DECODE, addr)
+
+    def watch_registry(self, address: str) -> None:
+        """Follow ``Registry.WatchWorkers`` at ``address`` in the background (reconnecting)."""
+        self._registry_task = asyncio.get_running_loop().create_task(self._watch(address))
+
+    def _model_ok(self, model: str) -> bool:
+        if not model or not self.model_names:
+            return True
+        names = set(self.model_names) | {Path(m).name for m in self.model_names}
+        return model in names or Path(model).name in names
+
+    async def _watch(self, address: str) -> None:
+        backoff = 0.2
+        while True:
+            channel = grpc.aio.insecure_channel(address)
+            try:
+                stub = registry_pb2_grpc.RegistryStub(channel)
+                seen: set[str] = set()
+                async for ev in stub.WatchWorkers(registry_pb2.WatchWorkersRequest()):
+                    backoff = 0.2
+                    rec = ev.worker
+                    role = _ROLE.get(rec.role)
+                    if role is None:
+                        continue
+                    if ev.kind == registry_pb2.WorkerEvent.REMOVED:
+                        self.remove(rec.worker_id, ev.reason or "removed from registry")
+                        seen.discard(rec.worker_id)
+                    elif not self._model_ok(rec.model):
+                        log.warning("ignoring worker %s: model %r is not served here", rec.worker_id, rec.model)
+                    else:
+                        self.add(rec.worker_id, role, rec.grpc_address)
+                        seen.add(rec.worker_id)
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                log.warning("registry watch at %s broke: %s; retrying", address, exc.code().name)
+            finally:
+                await channel.close()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def close(self) -> None:
+        if self._registry_task is not None:
+            self._registry_task.cancel()
+        for wid in list(self.workers):
+            self.remove(wid, "router shutdown")
+        await asyncio.sleep(0)
+
+
+__all__ = ["WorkerPool", "NoWorkerError"]

@@ -1,0 +1,73 @@
+"""Tokenization in the router: prompt text / chat messages -> token ids, from the model directory.
+
+Uses the Hugging Face ``transformers`` tokenizer saved with the model (``tokenizer.json``) and the
+model's own chat template (``chat_template.jinja`` / ``tokenizer_config.json``). The context window is
+``max_position_embeddings`` from ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the router knows about the served model.
+
+    Attributes:
+        id: the model name clients send (``"smollm2-135m-instruct"``).
+        path: the Hugging Face directory it was loaded from.
+        max_context: context window in tokens (prompt + completion).
+        vocab_size: number of token ids; valid ids are ``[0, vocab_size)``.
+    """
+
+    id: str
+    path: Path
+    max_context: int
+    vocab_size: int
+
+
+class RouterTokenizer:
+    """Encode prompts and chat messages for one model.
+
+    Args:
+        model_id: the name clients use for this model.
+        model_dir: Hugging Face directory with ``config.json`` and the tokenizer files.
+    """
+
+    def __init__(self, model_id: str, model_dir: Path) -> None:
+        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        max_ctx = int(config.get("max_position_embeddings") or 2048)
+        vocab = max(int(config.get("vocab_size") or 0), len(self.hf))
+        self.card = ModelCard(id=model_id, path=Path(model_dir), max_context=max_ctx, vocab_size=vocab)
+        self.backend = self.hf.backend_tokenizer  # tokenizers.Tokenizer, for DecodeStream
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        """Plain-text prompt -> token ids (the tokenizer's own special-token rules, e.g. BOS)."""
+        return list(self.hf.encode(text))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Chat messages ``[{"role", "content"}]`` -> token ids of the templated prompt, ending with
+        the assistant generation prompt.
+
+        Raises:
+            ValueError: the model has no chat template, or the template rejects the messages.
+        """
+        if not self.has_chat_template:
+            raise ValueError("the model has no chat template")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The template already spells out BOS/role markers: do not add special tokens again.
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token alone (for logprob entries; may hold U+FFFD for partial bytes)."""
+        return self.hf.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,135 @@
+"""Request validation before dispatch: every bad input becomes INVALID_ARGUMENT naming the field.
+
+Nothing is allocated on any worker before a request passes here (DESIGN.md §4, last invariant).
+Ranges follow OpenAI / vLLM semantics (protos/common.proto documents each sampling field).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from protos import common_pb2, router_pb2
+from router_svc.errors import RouterError
+from router_svc.tokenizer import RouterTokenizer
+
+MAX_TOP_LOGPROBS = 20
+DEFAULT_MAX_TOKENS = 16  # protos/common.proto: SamplingParams.max_tokens default
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready for the PD legs.
+
+    Attributes:
+        request_id: client id or a fresh ``"req-<hex>"``.
+        input_ids: prompt token ids, ``1 <= len <= max_context - max_tokens``.
+        sampling: copy of the request's sampling with ``max_tokens`` always set.
+        stop: stop strings (removed from returned text).
+    """
+
+    request_id: str
+    input_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    stop: list[str]
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise RouterError.invalid(name, f"must be a finite number, got {value}")
+    return value
+
+
+def validate_sampling(s: common_pb2.SamplingParams, vocab_size: int) -> None:
+    """Check every sampling field's range.
+
+    Raises:
+        RouterError: INVALID_ARGUMENT with ``param`` set to the offending field.
+    """
+    if s.HasField("temperature") and _finite("temperature", s.temperature) < 0:
+        raise RouterError.invalid("temperature", f"must be >= 0, got {s.temperature}")
+    if s.HasField("top_p") and not (0 < _finite("top_p", s.top_p) <= 1):
+        raise RouterError.invalid("top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.HasField("top_k") and s.top_k < -1:
+        raise RouterError.invalid("top_k", f"must be -1, 0 (off) or a positive count, got {s.top_k}")
+    if s.HasField("min_p") and not (0 <= _finite("min_p", s.min_p) <= 1):
+        raise RouterError.invalid("min_p", f"must be in [0, 1], got {s.min_p}")
+    if s.HasField("repetition_penalty") and _finite("repetition_penalty", s.repetition_penalty) <= 0:
+        raise RouterError.invalid("repetition_penalty", f"must be > 0, got {s.repetition_penalty}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if s.HasField(name) and not (-2 <= _finite(name, getattr(s, name)) <= 2):
+            raise RouterError.invalid(name, f"must be in [-2, 2], got {getattr(s, name)}")
+    if s.HasField("max_tokens") and s.max_tokens < 1:
+        raise RouterError.invalid("max_tokens", f"must be >= 1, got {s.max_tokens}")
+    if not (0 <= s.top_logprobs <= MAX_TOP_LOGPROBS):
+        raise RouterError.invalid("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
+    for i, stop in enumerate(s.stop):
+        if not stop:
+            raise RouterError.invalid("stop", f"stop string {i} is empty")
+    for tid in s.stop_token_ids:
+        if not (0 <= tid < vocab_size):
+            raise RouterError.invalid("stop_token_ids", f"token id {tid} is outside [0, {vocab_size})")
+
+
+def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
+            default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> PreparedRequest:
+    """Validate and tokenize one request.
+
+    Args:
+        req: the client's request (gRPC, or built by the OpenAI layer).
+        tok: the served model's tokenizer.
+        default_max_tokens: used when ``sampling.max_tokens`` is unset; None means "the rest of the
+            context window" (OpenAI chat semantics).
+
+    Raises:
+        RouterError: INVALID_ARGUMENT naming ``model``, ``prompt``/``messages``/``token_ids``,
+            ``max_tokens`` or a sampling field.
+    """
+    card = tok.card
+    if req.model and req.model not in (card.id, str(card.path)):
+        raise RouterError.invalid("model", f"unknown model {req.model!r}; this router serves {card.id!r}",
+                                  err_code="model_not_found")
+    validate_sampling(req.sampling, card.vocab_size)
+    which = req.WhichOneof("input")
+    if which == "text":
+        if not req.text:
+            raise RouterError.invalid("prompt", "must not be empty")
+        ids = tok.encode(req.text)
+        field = "prompt"
+    elif which == "token_ids":
+        ids = list(req.token_ids.ids)
+        field = "prompt"
+        bad = [t for t in ids if not (0 <= t < card.vocab_size)]
+        if bad:
+            raise RouterError.invalid(field, f"token id {bad[0]} is outside [0, {card.vocab_size})")
+    elif which == "chat":
+        field = "messages"
+        msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        if not msgs:
+            raise RouterError.invalid(field, "must hold at least one message")
+        for i, m in enumerate(msgs):
+            if m["role"] not in ("system", "user", "assistant", "tool", "developer"):
+                raise RouterError.invalid(field, f"message {i} has unknown role {m['role']!r}")
+        try:
+            ids = tok.encode_chat(msgs)
+        except Exception as exc:  # template errors are the client's input problem
+            raise RouterError.invalid(field, f"chat template failed: {exc}") from exc
+    else:
+        raise RouterError.invalid("prompt", "must not be empty (give text, token_ids or chat)")
+    if not ids:
+        raise RouterError.invalid(field, "must not be empty (0 tokens)")
+    if len(ids) >= card.max_context:
+        raise RouterError.invalid(field, f"{len(ids)} prompt tokens do not fit the context window "
+                                  f"of {card.max_context} tokens", err_code="context_length_exceeded")
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(req.sampling)
+    if not sampling.HasField("max_tokens"):
+        room = card.max_context - len(ids)
+        sampling.max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    if len(ids) + sampling.max_tokens > card.max_context:
+        raise RouterError.invalid("max_tokens", f"{len(ids)} prompt tokens + max_tokens {sampling.max_tokens} "
+                                  f"exceed the context window of {card.max_context} tokens",
+                                  err_code="context_length_exceeded")
+    return PreparedRequest(request_id=req.request_id or f"req-{uuid.uuid4().hex}", input_ids=ids,
+                           sampling=sampling, stop=list(sampling.stop))

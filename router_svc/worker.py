@@ -1,0 +1,72 @@
+"""One prefill or decode worker as the router sees it: address, stub, health, last load report."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+@dataclass(eq=False)
+class Worker:
+    """Router-side state of one worker.
+
+    Attributes:
+        worker_id: the worker's id (registry) or its address (static list).
+        role: ``"prefill"`` or ``"decode"``.
+        address: gRPC ``host:port``.
+        healthy: the last health check answered SERVING and no call since failed with UNAVAILABLE.
+        removed: the worker left the registry / the pool; never picked again.
+        load: the last ``GetLoad`` report, or None before the first one.
+        dispatched_since_report: requests sent here since ``load`` was taken (optimistic load).
+        inflight: requests of this router currently using this worker.
+    """
+
+    worker_id: str
+    role: str
+    address: str
+    channel: grpc.aio.Channel | None = None
+    stub: object = None
+    healthy: bool = False
+    removed: bool = False
+    load: common_pb2.LoadReport | None = None
+    load_time: float = 0.0
+    dispatched_since_report: int = 0
+    inflight: int = 0
+    failures: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def available(self) -> bool:
+        """May a policy pick this worker?"""
+        return self.healthy and not self.removed
+
+    def load_score(self) -> float:
+        """Queued + running requests from ``GetLoad``, plus requests dispatched since that report
+        (requests; the unit the balance thresholds use)."""
+        reported = 0
+        if self.load is not None:
+            reported = self.load.waiting_requests + self.load.running_requests + self.load.transferring_requests
+        return float(reported + self.dispatched_since_report)
+
+    def set_load(self, report: common_pb2.LoadReport) -> None:
+        self.load = report
+        self.load_time = time.monotonic()
+        self.dispatched_since_report = 0
+
+    def connect(self) -> None:
+        """Open the aio channel and stub (call inside the router's event loop)."""
+        if self.channel is None:
+            self.channel = grpc.aio.insecure_channel(self.address, options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.enable_retries", 0),
+                ("grpc.keepalive_time_ms", 10_000),
+            ])
+            stub_cls = prefill_pb2_grpc.PrefillStub if self.role == PREFILL else decode_pb2_grpc.DecodeStub
+            self.stub = stub_cls(self.channel)
