@@ -133,6 +133,8 @@ class Segment:
     _ep: int = field(default=0, repr=False)
     alive: bool = True
     failure: str = ""
+    local_pid: int = 0          # owner's pid when it runs on this host (liveness check), else 0
+    local_start: int = 0
     _pending: collections.deque = field(default_factory=collections.deque, repr=False)  # batches
     _notifies: collections.deque = field(default_factory=collections.deque, repr=False)
 
@@ -160,6 +162,30 @@ class _Batch:
     event: threading.Event = field(default_factory=threading.Event)
 
 
+def host_id() -> str:
+    """"<hostname>/<kernel boot id>": equal for two processes on one (booted) host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{os.uname().nodename}/{boot}"
+
+
+def pid_start_ticks(pid: int) -> int | None:
+    """starttime of a live process from /proc/<pid>/stat (clock ticks), None if it is gone or a
+    zombie (a process killed but not yet reaped no longer has its memory)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    rest = stat[stat.rindex(b")") + 2:].split()
+    if rest[0] in (b"Z", b"X"):
+        return None
+    return int(rest[19])
+
+
 def _default_name() -> str:
     return f"seg-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -175,13 +201,15 @@ class TransferEngine:
             segment is dropped.
         error_mode: "none" (default, keeps sm lanes, timeouts detect dead peers) or "peer".
         libucp: path of another libucp.so (default: env HALFMOON_LIBUCP, else the libucx wheel).
-        resolver: name -> SegmentDescriptor, used by open_segment(name) (e.g. RegistryClient.get_segment).
+        resolver: looks segment names up for open_segment(name): an object with
+            `get_segment(name, refresh=False) -> SegmentDescriptor` (KeyError if unknown) and
+            `invalidate(name)`, i.e. a RegistryClient.
         spin_s: how long the progress thread keeps polling after activity before sleeping.
     """
 
     def __init__(self, name: str | None = None, *, transports: str | None = None,
                  timeout_s: float = 10.0, error_mode: str = "none", libucp: str | None = None,
-                 resolver: Callable[[str], registry_pb2.SegmentDescriptor] | None = None,
+                 resolver=None,
                  spin_s: float = 0.0005, tcp_sockbuf: str = "8m"):
         if error_mode not in ("none", "peer"):
             raise ValueError(f"error_mode must be 'none' or 'peer', got {error_mode!r}")
@@ -194,6 +222,7 @@ class TransferEngine:
         self.resolver = resolver
         self.spin_s = spin_s
         self._lib = ucp.load(libucp)
+        self._host_id = host_id()
         self._regions: list[Region] = []
         self._region_bases: list[int] = []
         self._segments: dict[str, Segment] = {}
@@ -211,6 +240,7 @@ class TransferEngine:
         self._ep_err_cb = ucp.ERR_HANDLER_CB(self._on_ep_error)
         self._am_cb = ucp.AM_RECV_CB(self._on_am)
         self._ep_ids: dict[int, Segment] = {}
+        self._dropped: dict[str, str] = {}  # segment name -> incarnation of its last failed handle
         self._ctx = ctypes.c_void_p()
         self._worker = ctypes.c_void_p()
         self.worker_address = b""
@@ -427,6 +457,19 @@ class TransferEngine:
     def _finish(self, b: _Batch, state: State, reason: str = "") -> None:
         if b.state is not State.PENDING:
             return
+        seg = b.segment
+        if state is State.COMPLETED and seg is not None and seg.local_pid:
+            # Shared-memory (cma) writes into a process that died report success: a batch counts as
+            # complete only if the owner was still alive after its last byte landed.
+            if pid_start_ticks(seg.local_pid) != seg.local_start:
+                state, reason = State.FAILED, f"owner process {seg.local_pid} of segment " \
+                                              f"{seg.name!r} exited"
+                b.state = State.FAILED
+                b.reason = reason
+                b.keep = None
+                b.event.set()
+                self._close_segment(seg, reason, force=True)
+                return
         if state is State.COMPLETED:
             b.done = b.total
         b.reason = reason
@@ -538,7 +581,9 @@ class TransferEngine:
         region with its packed rkey, and the owner's KV layout. Register it with the registry
         (RegistryClient.publish) so peers can open it."""
         desc = registry_pb2.SegmentDescriptor(name=self.name, incarnation=self.incarnation,
-                                              worker_address=self.worker_address)
+                                              worker_address=self.worker_address,
+                                              host_id=self._host_id, pid=os.getpid(),
+                                              pid_start_ticks=pid_start_ticks(os.getpid()) or 0)
         with self._lock:
             for r in self._regions:
                 desc.regions.add(base=r.base, length=r.length, rkey=r.rkey, location=r.location)
@@ -555,9 +600,13 @@ class TransferEngine:
         if isinstance(target, str):
             if self.resolver is None:
                 raise TransferError("open_segment(name) needs a resolver (registry client)")
-            desc = self.resolver(target)
-            if desc is None:
-                raise KeyError(f"unknown segment {target!r}")
+            desc = self.resolver.get_segment(target)
+            with self._lock:
+                old = self._segments.get(target)
+            dead = old is None or not old.alive
+            if dead and self._dropped.get(target) == desc.incarnation:
+                # the cached descriptor is the one that just failed: ask the registry again
+                desc = self.resolver.get_segment(target, refresh=True)
         else:
             desc = target
         self._validate_descriptor(desc)
@@ -569,6 +618,11 @@ class TransferEngine:
             self._call(self._close_segment, old, "replaced by a new incarnation", True)
         seg = Segment(name=desc.name, incarnation=desc.incarnation, descriptor=desc,
                       kv_layout=desc.kv_layout)
+        if desc.host_id == self._host_id and desc.pid > 0:
+            seg.local_pid, seg.local_start = desc.pid, desc.pid_start_ticks
+            if pid_start_ticks(desc.pid) != desc.pid_start_ticks:
+                raise SegmentClosed(f"segment {desc.name!r}: owner process {desc.pid} on this host "
+                                    f"is gone (stale descriptor)")
         for r in sorted(desc.regions, key=lambda r: r.base):
             seg._regions.append(_RemoteRegion(r.base, r.length, bytes(r.rkey)))
             seg._bases.append(r.base)
@@ -642,6 +696,9 @@ class TransferEngine:
             return
         seg.alive = False
         seg.failure = reason
+        self._dropped[seg.name] = seg.incarnation
+        if self.resolver is not None and hasattr(self.resolver, "invalidate"):
+            self.resolver.invalidate(seg.name)
         for b in list(seg._pending) + list(seg._notifies):
             if b.request:
                 self._orphans.append(b.request)

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-from ctypes import (CFUNCTYPE, POINTER, Structure, Union, byref, c_char_p, c_int, c_size_t, c_uint,
-                    c_uint32, c_uint64, c_void_p)
+from ctypes import (CFUNCTYPE, POINTER, Structure, Union, byref, c_char_p, c_int, c_int8, c_size_t,
+                    c_uint, c_uint32, c_uint64, c_void_p)
+
+# ucs_status_t is a packed enum (UCS_S_PACKED): one signed byte.
+c_status = c_int8
 
 # ---- constants (values from the 1.22 headers) ----
 UCS_OK = 0
@@ -153,42 +156,42 @@ STRUCTS = {
 
 # ucs_status_t (*)(void *arg, const void *header, size_t header_length, void *data, size_t length,
 #                  const ucp_am_recv_param_t *param)
-AM_RECV_CB = CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t, c_void_p, c_size_t,
+AM_RECV_CB = CFUNCTYPE(c_status, c_void_p, c_void_p, c_size_t, c_void_p, c_size_t,
                        POINTER(ucp_am_recv_param_t))
 # void (*)(void *arg, ucp_ep_h ep, ucs_status_t status)
-ERR_HANDLER_CB = CFUNCTYPE(None, c_void_p, c_void_p, c_int)
+ERR_HANDLER_CB = CFUNCTYPE(None, c_void_p, c_void_p, c_status)
 
 _P = c_void_p
 _SIGNATURES = {
     # name: (restype, argtypes)
     "ucp_get_version": (None, [POINTER(c_uint), POINTER(c_uint), POINTER(c_uint)]),
-    "ucp_config_read": (c_int, [c_char_p, c_char_p, POINTER(_P)]),
-    "ucp_config_modify": (c_int, [_P, c_char_p, c_char_p]),
+    "ucp_config_read": (c_status, [c_char_p, c_char_p, POINTER(_P)]),
+    "ucp_config_modify": (c_status, [_P, c_char_p, c_char_p]),
     "ucp_config_release": (None, [_P]),
-    "ucp_init_version": (c_int, [c_uint, c_uint, POINTER(ucp_params_t), _P, POINTER(_P)]),
+    "ucp_init_version": (c_status, [c_uint, c_uint, POINTER(ucp_params_t), _P, POINTER(_P)]),
     "ucp_cleanup": (None, [_P]),
-    "ucp_worker_create": (c_int, [_P, POINTER(ucp_worker_params_t), POINTER(_P)]),
+    "ucp_worker_create": (c_status, [_P, POINTER(ucp_worker_params_t), POINTER(_P)]),
     "ucp_worker_destroy": (None, [_P]),
-    "ucp_worker_get_address": (c_int, [_P, POINTER(_P), POINTER(c_size_t)]),
+    "ucp_worker_get_address": (c_status, [_P, POINTER(_P), POINTER(c_size_t)]),
     "ucp_worker_release_address": (None, [_P, _P]),
     "ucp_worker_progress": (c_uint, [_P]),
-    "ucp_worker_get_efd": (c_int, [_P, POINTER(c_int)]),
-    "ucp_worker_arm": (c_int, [_P]),
-    "ucp_worker_signal": (c_int, [_P]),
-    "ucp_worker_set_am_recv_handler": (c_int, [_P, POINTER(ucp_am_handler_param_t)]),
-    "ucp_ep_create": (c_int, [_P, POINTER(ucp_ep_params_t), POINTER(_P)]),
+    "ucp_worker_get_efd": (c_status, [_P, POINTER(c_int)]),
+    "ucp_worker_arm": (c_status, [_P]),
+    "ucp_worker_signal": (c_status, [_P]),
+    "ucp_worker_set_am_recv_handler": (c_status, [_P, POINTER(ucp_am_handler_param_t)]),
+    "ucp_ep_create": (c_status, [_P, POINTER(ucp_ep_params_t), POINTER(_P)]),
     "ucp_ep_close_nbx": (_P, [_P, POINTER(ucp_request_param_t)]),
     "ucp_ep_flush_nbx": (_P, [_P, POINTER(ucp_request_param_t)]),
-    "ucp_mem_map": (c_int, [_P, POINTER(ucp_mem_map_params_t), POINTER(_P)]),
-    "ucp_mem_unmap": (c_int, [_P, _P]),
-    "ucp_rkey_pack": (c_int, [_P, _P, POINTER(_P), POINTER(c_size_t)]),
+    "ucp_mem_map": (c_status, [_P, POINTER(ucp_mem_map_params_t), POINTER(_P)]),
+    "ucp_mem_unmap": (c_status, [_P, _P]),
+    "ucp_rkey_pack": (c_status, [_P, _P, POINTER(_P), POINTER(c_size_t)]),
     "ucp_rkey_buffer_release": (None, [_P]),
-    "ucp_ep_rkey_unpack": (c_int, [_P, _P, POINTER(_P)]),
+    "ucp_ep_rkey_unpack": (c_status, [_P, _P, POINTER(_P)]),
     "ucp_rkey_destroy": (None, [_P]),
     "ucp_put_nbx": (_P, [_P, _P, c_size_t, c_uint64, _P, POINTER(ucp_request_param_t)]),
     "ucp_get_nbx": (_P, [_P, _P, c_size_t, c_uint64, _P, POINTER(ucp_request_param_t)]),
     "ucp_am_send_nbx": (_P, [_P, c_uint, _P, c_size_t, _P, c_size_t, POINTER(ucp_request_param_t)]),
-    "ucp_request_check_status": (c_int, [_P]),
+    "ucp_request_check_status": (c_status, [_P]),
     "ucp_request_free": (None, [_P]),
     "ucp_request_cancel": (None, [_P, _P]),
 }
@@ -226,7 +229,7 @@ class Lib:
             fn.restype, fn.argtypes = res, args
             setattr(self, name, fn)
         self.ucs.ucs_status_string.restype = c_char_p
-        self.ucs.ucs_status_string.argtypes = [c_int]
+        self.ucs.ucs_status_string.argtypes = [c_status]
         major, minor, release = c_uint(), c_uint(), c_uint()
         self.ucp_get_version(byref(major), byref(minor), byref(release))
         self.version = (major.value, minor.value, release.value)

@@ -16,6 +16,16 @@ import pytest
 from transfer_svc import ucp
 
 
+# scalar/enum types whose width the binding assumes (ucs_status_t is a packed, one-byte enum)
+TYPES = {
+    "ucs_status_t": ucp.c_status,
+    "ucs_memory_type_t": ctypes.c_int,
+    "ucs_thread_mode_t": ctypes.c_int,
+    "ucp_err_handling_mode_t": ctypes.c_int,
+    "ucp_datatype_t": ctypes.c_uint64,
+}
+
+
 def _include_dir() -> str:
     import libucx
 
@@ -30,6 +40,8 @@ def test_struct_layouts_match_headers(tmp_path):
         lines.append(f'printf("{cname} sizeof %zu\\n", sizeof({cname}));')
         for field, _ in cls._fields_:
             lines.append(f'printf("{cname} {field} %zu\\n", offsetof({cname}, {field}));')
+    for ctype, pytype in TYPES.items():
+        lines.append(f'printf("{ctype} sizeof %zu\\n", sizeof({ctype}));')
     lines += ['return 0;', '}']
     src = tmp_path / "layout.c"
     src.write_text("\n".join(lines))
@@ -49,6 +61,9 @@ def test_struct_layouts_match_headers(tmp_path):
             off = getattr(cls, field).offset
             if c_values[(cname, field)] != off:
                 mismatches.append(f"{cname}.{field}: C {c_values[(cname, field)]} ctypes {off}")
+    for ctype, pytype in TYPES.items():
+        if c_values[(ctype, "sizeof")] != ctypes.sizeof(pytype):
+            mismatches.append(f"sizeof {ctype}: C {c_values[(ctype, 'sizeof')]} ctypes {ctypes.sizeof(pytype)}")
     assert not mismatches, mismatches
     assert c_values[("ucp_request_param_t", "sizeof")] == 96  # the 1.22 layout
 
