@@ -1,0 +1,177 @@
+"""Writes deploy/grafana/halfmoon-dashboard.json (and the Helm chart's copy) from the panel list below.
+
+Run ``python deploy/grafana/build_dashboard.py`` after editing; tests fail when the committed JSON
+and this script disagree. Every expression is plain PromQL without Grafana variables (the
+datasource is a dashboard variable), so tests can send each one to a live Prometheus unchanged.
+Recording rules (``halfmoon:*``) come from deploy/prometheus/rules.yaml; raw metrics from
+halfmoon/metrics.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "halfmoon-dashboard.json"
+CHART_COPY = HERE.parent / "k8s" / "halfmoon" / "files" / "halfmoon-dashboard.json"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+
+# (row title, [(panel title, kind, unit, description, [(expr, legend)])]) ; kind: timeseries | stat
+ROWS = [
+    ("Overview", [
+        ("Requests per second by status", "timeseries", "reqps",
+         "Finished client requests per second at the router, by final status.",
+         [("halfmoon:router_requests:rate1m", "{{status}}")]),
+        ("Time to first token", "timeseries", "s", "Router TTFT quantiles over 1m.",
+         [("halfmoon:router_ttft_seconds:p50_1m", "p50"),
+          ("halfmoon:router_ttft_seconds:p99_1m", "p99")]),
+        ("Inter-token latency", "timeseries", "s", "Router ITL quantiles over 1m.",
+         [("halfmoon:router_itl_seconds:p50_1m", "p50"),
+          ("halfmoon:router_itl_seconds:p99_1m", "p99")]),
+        ("End-to-end latency", "timeseries", "s", "Request arrival to last token, quantiles over 1m.",
+         [("halfmoon:router_e2e_seconds:p50_1m", "p50"),
+          ("halfmoon:router_e2e_seconds:p99_1m", "p99")]),
+        ("Error ratio", "stat", "percentunit",
+         "Share of router requests ending in error or timeout over 5m.",
+         [("halfmoon:router_error_ratio:rate5m", "errors")]),
+        ("Requests in flight", "stat", "short", "Requests accepted by the routers and not finished.",
+         [("sum(halfmoon_router_requests_in_flight)", "in flight")]),
+        ("Tokens per second", "timeseries", "short", "Prompt and completion tokens per second (router).",
+         [("sum(rate(halfmoon_router_prompt_tokens_total[1m]))", "prompt"),
+          ("sum(rate(halfmoon_router_completion_tokens_total[1m]))", "completion")]),
+        ("Retries by failed leg", "timeseries", "short",
+         "Prefill/decode pair re-picks per second after a leg failed before the first token.",
+         [("sum by (leg) (rate(halfmoon_router_retries_total[1m]))", "{{leg}}")]),
+    ]),
+    ("Prefill", [
+        ("Prefill queues", "timeseries", "short", "Requests per prefill stage, all prefill workers.",
+         [("sum by (queue) (halfmoon_prefill_queue_requests)", "{{queue}}")]),
+        ("Prefill tokens per second", "timeseries", "short",
+         "Prompt tokens accepted and the part served from the prefill radix cache.",
+         [("sum(rate(halfmoon_prefill_prompt_tokens_total[1m]))", "prompt"),
+          ("sum(rate(halfmoon_prefill_cached_tokens_total[1m]))", "cached")]),
+        ("Prefill batch size", "timeseries", "short", "Requests per prefill forward batch (quantiles over 1m).",
+         [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_prefill_batch_size_requests_bucket[1m])))", "p50"),
+          ("histogram_quantile(0.99, sum by (le) (rate(halfmoon_prefill_batch_size_requests_bucket[1m])))", "p99")]),
+        ("Prefill compute busy fraction", "timeseries", "percentunit",
+         "Seconds of prefill forward per second, per worker (1 = always computing).",
+         [("sum by (instance) (rate(halfmoon_prefill_compute_seconds_sum[1m]))", "{{instance}}")]),
+        ("Prefill forward time", "timeseries", "s", "Wall time of one prefill forward batch (quantiles over 1m).",
+         [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_prefill_compute_seconds_bucket[1m])))", "p50"),
+          ("histogram_quantile(0.99, sum by (le) (rate(halfmoon_prefill_compute_seconds_bucket[1m])))", "p99")]),
+    ]),
+    ("Transfer", [
+        ("KV transfer throughput", "timeseries", "decGBs", "KV bytes written to decode workers, GB/s (sender side).",
+         [("halfmoon:transfer_bytes:rate1m / 1e9", "GB/s")]),
+        ("KV pages transferred", "timeseries", "short", "KV pages written per second (sender side).",
+         [("halfmoon:transfer_pages:rate1m", "pages/s")]),
+        ("Transfer batch latency", "timeseries", "s", "Submit to completion of one transfer batch.",
+         [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_transfer_batch_seconds_bucket[1m])))", "p50"),
+          ("halfmoon:transfer_batch_seconds:p99_1m", "p99")]),
+        ("Transfer failures by reason", "timeseries", "short", "Failed transfer batches per second (5m rate).",
+         [("halfmoon:transfer_failures:rate5m", "{{reason}}")]),
+    ]),
+    ("Decode", [
+        ("Decode queues", "timeseries", "short",
+         "prealloc: waiting for pages; transfer: waiting for KV; waiting: ready to join the batch; running.",
+         [("sum by (queue) (halfmoon_decode_queue_requests)", "{{queue}}"),
+          ("sum(halfmoon_decode_running_requests)", "running")]),
+        ("Generated tokens per second", "timeseries", "short", "Tokens sampled by decode workers per second.",
+         [("sum by (instance) (rate(halfmoon_decode_generated_tokens_total[1m]))", "{{instance}}")]),
+        ("KV wait", "timeseries", "s", "Pre-allocation to KV commit, per request (quantiles over 1m).",
+         [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_decode_kv_wait_seconds_bucket[1m])))", "p50"),
+          ("histogram_quantile(0.99, sum by (le) (rate(halfmoon_decode_kv_wait_seconds_bucket[1m])))", "p99")]),
+        ("Evicted pages per second", "timeseries", "short", "Decode radix-cache pages evicted to make room.",
+         [("sum by (instance) (rate(halfmoon_decode_evicted_pages_total[1m]))", "{{instance}}")]),
+    ]),
+    ("KV cache", [
+        ("Decode KV pool usage", "timeseries", "percentunit",
+         "1 - (free + evictable) / total pages, per decode worker.",
+         [("max by (instance) (halfmoon_decode_kv_pool_usage_ratio)", "{{instance}}")]),
+        ("Decode KV pages by state", "timeseries", "short", "free + evictable + locked + owned = pool size.",
+         [("sum by (state) (halfmoon_decode_kv_pool_pages)", "{{state}}")]),
+        ("Prefix cache hit rate", "timeseries", "percentunit",
+         "Share of prompt tokens served from the radix caches (5m): prefill (not recomputed), decode (not transferred).",
+         [("halfmoon:prefill_cache_hit_ratio:rate5m", "prefill"),
+          ("halfmoon:decode_prefix_hit_ratio:rate5m", "decode")]),
+    ]),
+    ("Workers", [
+        ("Registered workers", "timeseries", "short", "Live workers in the transfer registry, by role.",
+         [("sum by (role) (halfmoon_registry_workers)", "{{role}}")]),
+        ("Scrape targets up", "timeseries", "short", "Scrape targets up, by job (halfmoon-<role>).",
+         [('sum by (job) (up{job=~"halfmoon-.*"})', "{{job}}")]),
+        ("Registry lookups and expired leases", "timeseries", "short", "Per second.",
+         [("sum by (result) (rate(halfmoon_registry_lookups_total[1m]))", "lookup {{result}}"),
+          ("sum(rate(halfmoon_registry_expired_leases_total[1m]))", "expired leases")]),
+    ]),
+]
+
+
+def _panel(pid: int, title: str, kind: str, unit: str, desc: str, queries, x: int, y: int) -> dict:
+    targets = [{"datasource": DS, "expr": expr, "legendFormat": legend, "range": True,
+                "refId": chr(ord("A") + i)} for i, (expr, legend) in enumerate(queries)]
+    panel = {
+        "datasource": DS, "description": desc, "id": pid, "title": title, "type": kind,
+        "gridPos": {"h": 8, "w": 8 if kind == "timeseries" else 4, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "targets": targets,
+    }
+    if kind == "timeseries":
+        panel["options"] = {"legend": {"calcs": [], "displayMode": "list", "placement": "bottom",
+                                       "showLegend": True},
+                            "tooltip": {"mode": "multi", "sort": "none"}}
+    else:
+        panel["options"] = {"colorMode": "value", "graphMode": "area", "justifyMode": "auto",
+                            "orientation": "auto", "textMode": "auto",
+                            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}
+    return panel
+
+
+def build() -> dict:
+    panels, pid, y = [], 1, 0
+    for row_title, row_panels in ROWS:
+        panels.append({"collapsed": False, "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "id": pid,
+                       "panels": [], "title": row_title, "type": "row"})
+        pid, y, x = pid + 1, y + 1, 0
+        for title, kind, unit, desc, queries in row_panels:
+            width = 8 if kind == "timeseries" else 4
+            if x + width > 24:
+                x, y = 0, y + 8
+            panels.append(_panel(pid, title, kind, unit, desc, queries, x, y))
+            pid, x = pid + 1, x + width
+        y += 8
+    return {
+        "annotations": {"list": []},
+        "description": "halfmoon prefill/decode disaggregated serving: router, prefill, transfer, decode, KV cache.",
+        "editable": True,
+        "graphTooltip": 1,
+        "links": [],
+        "panels": panels,
+        "refresh": "10s",
+        "schemaVersion": 39,
+        "tags": ["halfmoon", "llm"],
+        "templating": {"list": [{
+            "current": {}, "hide": 0, "includeAll": False, "label": "Prometheus", "multi": False,
+            "name": "datasource", "options": [], "query": "prometheus", "refresh": 1, "regex": "",
+            "type": "datasource"}]},
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "title": "halfmoon",
+        "uid": "halfmoon-overview",
+        "version": 1,
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2, sort_keys=False) + "\n"
+
+
+if __name__ == "__main__":
+    text = render()
+    for path in (OUT, CHART_COPY):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}", file=sys.stderr)

@@ -1,0 +1,255 @@
+{{/* Names and labels. */}}
+{{- define "halfmoon.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "halfmoon.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "halfmoon.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "halfmoon.labels" -}}
+helm.sh/chart: {{ include "halfmoon.chart" . }}
+app.kubernetes.io/name: {{ include "halfmoon.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: halfmoon
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "root" $ "component" "decode"). */}}
+{{- define "halfmoon.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "halfmoon.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Labels of a component's objects; `halfmoon.io/job` becomes the Prometheus job (ServiceMonitor jobLabel). */}}
+{{- define "halfmoon.componentLabels" -}}
+{{ include "halfmoon.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+halfmoon.io/job: halfmoon-{{ .component }}
+{{- end -}}
+
+{{- define "halfmoon.image" -}}
+{{- $tag := default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) .Values.image.tag -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+
+{{- define "halfmoon.registryAddress" -}}
+{{- printf "%s-registry:%d" (include "halfmoon.fullname" .) (int .Values.registry.port) -}}
+{{- end -}}
+
+{{/*
+A component's Deployment. Arguments (dict):
+  root       the top-level context ($)
+  component  router | prefill | decode | registry
+  values     that component's values (.Values.<component>)
+  replicas   replica count
+  args       container args after `halfmoon` (list of strings)
+  ports      list of (dict "name" "grpc" "port" 50051)
+  grpcPort   the port serving grpc.health.v1 (probes)
+  model      true when the component loads the model (init container pulls it)
+  gpus       nvidia.com/gpu count (0: none)
+  strategy   Deployment strategy type (RollingUpdate | Recreate)
+*/}}
+{{- define "halfmoon.deployment" -}}
+{{- $root := .root -}}
+{{- $v := .values -}}
+{{- $ctx := dict "root" $root "component" .component -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "halfmoon.fullname" $root }}-{{ .component }}
+  labels:
+    {{- include "halfmoon.componentLabels" $ctx | nindent 4 }}
+spec:
+  {{- if not (and (hasKey $v "hpa") $v.hpa.enabled) }}
+  replicas: {{ .replicas }}
+  {{- end }}
+  revisionHistoryLimit: 5
+  strategy:
+    type: {{ .strategy }}
+  selector:
+    matchLabels:
+      {{- include "halfmoon.selectorLabels" $ctx | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "halfmoon.componentLabels" $ctx | nindent 8 }}
+      annotations:
+        checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+        {{- with $v.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      automountServiceAccountToken: false
+      {{- if hasKey $v "terminationGracePeriodSeconds" }}
+      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      {{- if and .model $root.Values.model.pull }}
+      initContainers:
+        - name: pull-model
+          image: {{ include "halfmoon.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          args: ["models", "pull", {{ $root.Values.model.name | quote }}]
+          envFrom:
+            - configMapRef:
+                name: {{ include "halfmoon.fullname" $root }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            - {name: cache, mountPath: {{ $root.Values.cache.mountPath }}}
+            - {name: tmp, mountPath: /tmp}
+      {{- end }}
+      containers:
+        - name: {{ .component }}
+          image: {{ include "halfmoon.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          args:
+            {{- range .args }}
+            - {{ . | quote }}
+            {{- end }}
+            {{- range $v.extraArgs }}
+            - {{ . | quote }}
+            {{- end }}
+          envFrom:
+            - configMapRef:
+                name: {{ include "halfmoon.fullname" $root }}
+          env:
+            - name: POD_IP
+              valueFrom:
+                fieldRef: {fieldPath: status.podIP}
+            - name: POD_NAME
+              valueFrom:
+                fieldRef: {fieldPath: metadata.name}
+            - name: POD_NAMESPACE
+              valueFrom:
+                fieldRef: {fieldPath: metadata.namespace}
+            {{- with $root.Values.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          ports:
+            {{- range .ports }}
+            - name: {{ .name }}
+              containerPort: {{ .port }}
+              protocol: TCP
+            {{- end }}
+          startupProbe:
+            grpc: {port: {{ .grpcPort }}}
+            periodSeconds: {{ $root.Values.probes.startup.periodSeconds }}
+            failureThreshold: {{ $root.Values.probes.startup.failureThreshold }}
+          livenessProbe:
+            grpc: {port: {{ .grpcPort }}}
+            periodSeconds: {{ $root.Values.probes.liveness.periodSeconds }}
+            failureThreshold: {{ $root.Values.probes.liveness.failureThreshold }}
+          readinessProbe:
+            grpc: {port: {{ .grpcPort }}}
+            periodSeconds: {{ $root.Values.probes.readiness.periodSeconds }}
+            failureThreshold: {{ $root.Values.probes.readiness.failureThreshold }}
+          resources:
+            {{- $res := deepCopy (default dict $v.resources) -}}
+            {{- if gt (int .gpus) 0 -}}
+            {{- $limits := merge (dict "nvidia.com/gpu" (int .gpus)) (default dict $res.limits) -}}
+            {{- $_ := set $res "limits" $limits -}}
+            {{- end }}
+            {{- toYaml $res | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            - {name: cache, mountPath: {{ $root.Values.cache.mountPath }}}
+            - {name: tmp, mountPath: /tmp}
+            - {name: shm, mountPath: /dev/shm}
+      volumes:
+        - name: cache
+          {{- toYaml $root.Values.cache.volume | nindent 10 }}
+        - name: tmp
+          emptyDir: {}
+        - name: shm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $root.Values.shmSize }}
+      {{- with $v.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end -}}
+
+{{/* A PodDisruptionBudget for a component: (dict "root" $ "component" "decode" "pdb" .Values.decode.pdb). */}}
+{{- define "halfmoon.pdb" -}}
+{{- if .pdb.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "halfmoon.fullname" .root }}-{{ .component }}
+  labels:
+    {{- include "halfmoon.componentLabels" . | nindent 4 }}
+spec:
+  {{- if hasKey .pdb "minAvailable" }}
+  minAvailable: {{ .pdb.minAvailable }}
+  {{- else }}
+  maxUnavailable: {{ .pdb.maxUnavailable }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "halfmoon.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* An autoscaling/v2 HPA on a per-pod custom metric: (dict "root" $ "component" "decode" "hpa" .Values.decode.hpa). */}}
+{{- define "halfmoon.hpa" -}}
+{{- if .hpa.enabled }}
+---
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "halfmoon.fullname" .root }}-{{ .component }}
+  labels:
+    {{- include "halfmoon.componentLabels" . | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "halfmoon.fullname" .root }}-{{ .component }}
+  minReplicas: {{ .hpa.minReplicas }}
+  maxReplicas: {{ .hpa.maxReplicas }}
+  metrics:
+    - type: Pods
+      pods:
+        metric:
+          name: {{ .hpa.metric }}
+        target:
+          type: AverageValue
+          averageValue: {{ .hpa.averageValue | quote }}
+  behavior:
+    scaleDown:
+      stabilizationWindowSeconds: 300
+{{- end }}
+{{- end -}}
