@@ -55,7 +55,7 @@ class KVLayout(_message.Message):
     def __init__(self, layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., buffer_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class SegmentDescriptor(_message.Message):
-    __slots__ = ("name", "incarnation", "worker_address", "regions", "kv_layout", "host_id", "pid", "pid_start_ticks")
+    __slots__ = ("name", "incarnation", "worker_address", "regions", "kv_layout", "host_id", "pid", "pid_start_ticks", "digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class SegmentDescriptor(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     PID_START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     incarnation: str
     worker_address: bytes
@@ -72,7 +73,8 @@ class SegmentDescriptor(_message.Message):
     host_id: str
     pid: int
     pid_start_ticks: int
-    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[str] = ..., worker_address: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., host_id: _Optional[str] = ..., pid: _Optional[int] = ..., pid_start_ticks: _Optional[int] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[str] = ..., worker_address: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., host_id: _Optional[str] = ..., pid: _Optional[int] = ..., pid_start_ticks: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class WorkerRecord(_message.Message):
     __slots__ = ("worker_id", "role", "grpc_address", "metrics_address", "model", "segment")
