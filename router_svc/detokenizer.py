@@ -31,6 +31,8 @@ class StreamDetokenizer:
         self._tok = tokenizer
         prime = list(prompt_ids[-8:]) if prompt_ids else None
         self._stream = DecodeStream(ids=prime, skip_special_tokens=skip_special_tokens)
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = []
         self._stop = [s for s in stop if s]
         self._text = ""        # all text decoded so far (cut at the stop string once found)
         self._emitted = 0      # characters of _text already returned
@@ -49,6 +51,7 @@ class StreamDetokenizer:
         """
         if self.matched_stop is not None:
             return ""
+        self._ids.extend(int(t) for t in token_ids)
         for tid in token_ids:
             piece = self._stream.step(self._tok, int(tid))
             if piece:
@@ -64,6 +67,13 @@ class StreamDetokenizer:
             matched_stop: the stop string the decode worker reported, if any; when the router did
                 not see it itself, the text is cut at its last occurrence in the unemitted part.
         """
+        if self.matched_stop is None:
+            # bytes DecodeStream still holds (an incomplete UTF-8 sequence at the very end) come
+            # out as the full decode does: with U+FFFD replacement characters
+            full = self._tok.decode(self._ids, skip_special_tokens=self._skip_special)
+            if len(full) > len(self._text) and full.startswith(self._text):
+                self._text = full
+                self._find_stop()
         if self.matched_stop is None and matched_stop:
             at = self._text.rfind(matched_stop, self._emitted)
             if at >= 0:
