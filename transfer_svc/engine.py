@@ -51,6 +51,7 @@ from typing import Callable, Iterable, Sequence
 
 from protos import registry_pb2
 from transfer_svc import ucp
+from transfer_svc.digest import descriptor_digest
 from transfer_svc.ucp import UCXError
 
 NOTIFY_AM_ID = 17
@@ -589,6 +590,7 @@ class TransferEngine:
                 desc.regions.add(base=r.base, length=r.length, rkey=r.rkey, location=r.location)
         if kv_layout is not None:
             desc.kv_layout.CopyFrom(kv_layout)
+        desc.digest = descriptor_digest(desc)
         return desc
 
     def open_segment(self, target: str | registry_pb2.SegmentDescriptor) -> Segment:
@@ -642,6 +644,9 @@ class TransferEngine:
         if len(desc.worker_address) < 16:
             raise DescriptorError(f"segment {desc.name!r}: worker_address is missing or truncated "
                                   f"({len(desc.worker_address)} bytes)")
+        if desc.digest != descriptor_digest(desc):
+            raise DescriptorError(f"segment {desc.name!r}: descriptor digest mismatch (corrupted or "
+                                  f"edited descriptor; UCX would parse garbage)")
         regions = sorted(desc.regions, key=lambda r: r.base)
         prev_end = 0
         for i, r in enumerate(regions):

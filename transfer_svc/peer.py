@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fill-seed", type=int, default=None)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--spin", type=float, default=0.0005)
+    p.add_argument("--registry", default=None, help="publish the segment in this registry")
+    p.add_argument("--role", default="decode")
+    p.add_argument("--ttl", type=int, default=10)
     args = p.parse_args(argv)
     buf = np.zeros(args.size, dtype=np.uint8)
     if args.fill_seed is not None:
@@ -56,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
+    reg = None
+    if args.registry:
+        from transfer_svc.registry_client import RegistryClient
+
+        reg = RegistryClient(args.registry, worker_id=args.name, role=args.role, ttl_s=args.ttl)
+        reg.publish(eng.publish())
+        eng.resolver = reg
     reply({"descriptor": base64.b64encode(eng.publish().SerializeToString()).decode(), "base": base})
     for line in sys.stdin:
         try:
@@ -70,9 +80,14 @@ def main(argv: list[str] | None = None) -> int:
                 fill_bytes(buf, c["seed"])
                 reply({"ok": True})
             elif cmd == "open":
-                desc = registry_pb2.SegmentDescriptor.FromString(base64.b64decode(c["descriptor"]))
-                segs[desc.name] = eng.open_segment(desc)
-                reply({"name": desc.name})
+                if "descriptor" in c:
+                    target = registry_pb2.SegmentDescriptor.FromString(
+                        base64.b64decode(c["descriptor"]))
+                else:
+                    target = c["name"]
+                seg = eng.open_segment(target)
+                segs[seg.name] = seg
+                reply({"name": seg.name, "incarnation": seg.incarnation})
             elif cmd == "submit":
                 seg = segs[c["segment"]]
                 descs = [(base + lo, ro, n) for lo, ro, n in c["descs"]]
@@ -93,8 +108,85 @@ def main(argv: list[str] | None = None) -> int:
                 reply({"error": f"unknown cmd {cmd!r}"})
         except Exception as e:  # noqa: BLE001 - report to the driver, keep serving
             reply({"error": f"{type(e).__name__}: {e}"})
+    if reg is not None:
+        reg.close()
     eng.close()
     return 0
+
+
+class PeerProcess:
+    """Driver of a `python -m transfer_svc.peer` child process (tests, bench).
+
+    Starts it, reads its descriptor, and sends commands (`request(dict) -> dict`, raising
+    RuntimeError on an error reply or when no reply comes within `timeout` seconds)."""
+
+    def __init__(self, name: str, *, size: int, transports: str | None = None,
+                 fill_seed: int | None = None, timeout_s: float = 10.0, registry: str | None = None,
+                 role: str = "decode", ttl: int = 10, start_timeout: float = 60.0):
+        import os
+        import subprocess
+
+        cmd = [sys.executable, "-m", "transfer_svc.peer", "--name", name, "--size", str(size),
+               "--timeout", str(timeout_s), "--role", role, "--ttl", str(ttl)]
+        if transports:
+            cmd += ["--transports", transports]
+        if fill_seed is not None:
+            cmd += ["--fill-seed", str(fill_seed)]
+        if registry:
+            cmd += ["--registry", registry]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        self.name = name
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env, cwd=root)
+        first = self._readline(start_timeout)
+        self.descriptor = registry_pb2.SegmentDescriptor.FromString(
+            base64.b64decode(first["descriptor"]))
+        self.base = first["base"]
+
+    def _readline(self, timeout: float) -> dict:
+        import select
+
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not r:
+            raise RuntimeError(f"peer {self.name}: no reply within {timeout}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer {self.name} exited (rc={self.proc.poll()})")
+        return json.loads(line)
+
+    def request(self, obj: dict, timeout: float = 60.0) -> dict:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+        out = self._readline(timeout)
+        if "error" in out:
+            raise RuntimeError(f"peer {self.name}: {out['error']}")
+        return out
+
+    def sha256(self, offset: int, length: int) -> str:
+        return self.request({"cmd": "sha256", "offset": offset, "length": length})["sha256"]
+
+    def kill(self, sig: int = 9) -> None:
+        import os
+
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"cmd": "exit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - fall back to killing it
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001
+                pass
 
 
 if __name__ == "__main__":

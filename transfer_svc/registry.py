@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from halfmoon import metrics
 from protos import registry_pb2, registry_pb2_grpc
+from transfer_svc.digest import descriptor_digest
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             for i, r in enumerate(seg.regions):
                 if r.length == 0 or not r.rkey:
                     return f"worker.segment.regions[{i}] needs a length > 0 and an rkey"
+            if seg.digest != descriptor_digest(seg):
+                return "worker.segment.digest does not match its contents (corrupted descriptor)"
         return None
 
     # ---- RPCs
