@@ -1,0 +1,40 @@
+"""A seeded synthetic arithmetic set: a smoke floor for accuracy.
+
+Small models score ~0% on GSM8K, so a broken pipeline and a working one look alike there. These
+problems (adding or subtracting a single digit to/from a number up to 30, single-digit products) are easy enough that the
+default model (SmolLM2-135M-Instruct, fp32, greedy) scores well above zero with a 4-shot prompt
+(research/FACTS.md: ~36% on simple generated 4-shot arithmetic); a result near zero means the
+serving path is broken. Rows have the GSM8K shape (``question``, ``answer`` ending in ``#### n``) so
+the GSM8K prompt builder and answer extraction apply unchanged.
+"""
+
+from __future__ import annotations
+
+import random
+
+
+def make_problem(rng: random.Random) -> dict[str, str]:
+    """One ``{"question", "answer"}`` row drawn from ``rng``."""
+    op = rng.choice(["+", "-", "*"])
+    if op == "*":
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        value = a * b
+    elif op == "+":
+        a, b = rng.randint(2, 30), rng.randint(2, 9)
+        value = a + b
+    else:
+        a, b = rng.randint(10, 30), rng.randint(2, 9)
+        value = a - b
+    return {"question": f"What is {a} {op} {b}?", "answer": f"{a} {op} {b} = {value}\n#### {value}"}
+
+
+def make_set(n: int, seed: int) -> list[dict[str, str]]:
+    """``n`` problems, the same for the same ``seed`` on every machine.
+
+    Raises:
+        ValueError: ``n`` < 0.
+    """
+    if n < 0:
+        raise ValueError(f"n: expected >= 0, got {n}")
+    rng = random.Random(seed)
+    return [make_problem(rng) for _ in range(n)]

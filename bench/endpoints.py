@@ -1,0 +1,98 @@
+"""Where the stack listens: router gRPC address, OpenAI base URL, workers' ``/metrics`` URLs.
+
+Read from the endpoints JSON that ``halfmoon up`` writes (a file, or the JSON line it prints), and
+overridden by explicit flags. The reader is tolerant of the exact layout: the router address is the
+first of ``router_grpc`` / ``router`` / ``grpc`` found (a ``host:port`` string, or a dict holding
+one of those keys), the OpenAI URL the first of ``openai_url`` / ``openai`` / ``http``, and metrics
+URLs are every string found under a key containing ``metrics`` anywhere in the document (of the
+prefill and decode workers; the router's and registry's are kept too — their counters never
+overlap the KV metrics, see :mod:`halfmoon.metrics`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+_ROUTER_KEYS = ("router_grpc", "router", "grpc")
+_OPENAI_KEYS = ("openai_url", "openai", "http", "openai_base_url")
+
+
+@dataclasses.dataclass
+class Endpoints:
+    router: str | None = None
+    openai_url: str | None = None
+    metrics_urls: list[str] = dataclasses.field(default_factory=list)
+
+
+def _first(doc: Any, keys: tuple[str, ...]) -> str | None:
+    if not isinstance(doc, dict):
+        return None
+    for k in keys:
+        v = doc.get(k)
+        if isinstance(v, str) and v:
+            return v
+        if isinstance(v, dict):
+            got = _first(v, keys + ("address", "url", "base_url"))
+            if got:
+                return got
+    return None
+
+
+def _metrics(doc: Any, under_metrics: bool = False) -> list[str]:
+    out: list[str] = []
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _metrics(v, under_metrics or "metrics" in str(k).lower())
+    elif isinstance(doc, list):
+        for v in doc:
+            out += _metrics(v, under_metrics)
+    elif isinstance(doc, str) and under_metrics:
+        out.append(normalize_metrics_url(doc))
+    elif isinstance(doc, int) and under_metrics and 0 < doc < 65536:
+        out.append(normalize_metrics_url(f"127.0.0.1:{doc}"))
+    return out
+
+
+def normalize_metrics_url(url: str) -> str:
+    """``host:port`` → ``http://host:port/metrics``; a URL without a path gets ``/metrics``."""
+    if "://" not in url:
+        url = "http://" + url
+    scheme, rest = url.split("://", 1)
+    if "/" not in rest:
+        rest += "/metrics"
+    return f"{scheme}://{rest}"
+
+
+def parse(doc: dict[str, Any]) -> Endpoints:
+    """Endpoints from a parsed endpoints JSON document."""
+    openai_url = _first(doc, _OPENAI_KEYS)
+    if openai_url and "://" not in openai_url:
+        openai_url = "http://" + openai_url
+    if openai_url and not openai_url.rstrip("/").endswith("/v1"):
+        openai_url = openai_url.rstrip("/") + "/v1"
+    seen: list[str] = []
+    for u in _metrics(doc):
+        if u not in seen:
+            seen.append(u)
+    return Endpoints(router=_first(doc, _ROUTER_KEYS), openai_url=openai_url, metrics_urls=seen)
+
+
+def load(path: str | Path) -> Endpoints:
+    """Endpoints from a file holding the JSON document (or a log whose last ``{...}`` line is it).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: no JSON object in it.
+    """
+    text = Path(path).read_text()
+    try:
+        return parse(json.loads(text))
+    except json.JSONDecodeError:
+        for line in reversed(text.splitlines()):
+            line = line.strip()
+            if line.startswith("{") and line.endswith("}"):
+                return parse(json.loads(line))
+    raise ValueError(f"endpoints file {path}: no JSON object found")
