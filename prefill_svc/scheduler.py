@@ -488,7 +488,9 @@ class PrefillScheduler:
             if dest is not None:
                 self._notify_failed_async(dest, f"aborted: {reason}")
             return dest is not None
-        self.book.abort(job.room)
+        unclaimed = self.book.abort(job.room)
+        if unclaimed is not None:
+            self._notify_failed_async(unclaimed, f"aborted: {reason}")
         if not job.aborted and job.error is None:
             job.aborted = reason or "aborted"
             job.error = ServiceError(grpc.StatusCode.CANCELLED, f"aborted: {job.aborted}")

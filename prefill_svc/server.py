@@ -60,7 +60,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             seg = self.transfer.open_segment(request.decode_segment)
         except Exception as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"decode_segment: cannot open {request.decode_segment!r}: {e}")
         geom = PoolGeometry.from_layout(seg.kv_layout)
         why = self.sched.offer_destination(Destination(request, seg, geom))
@@ -68,7 +68,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.ABORTED, f"room {request.room} was aborted or has ended")
         if why:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {request.room}: {why} destination")
-        return prefill_pb2.SetDestinationResponse()
+        return prefill_pb2.SetDestinationResponse(prefill_segment=self.transfer.name,
+                                                  incarnation=self.transfer.incarnation)
 
     def Abort(self, request, context):
         found = self.sched.abort(int(request.room), request.request_id, request.reason or "abort RPC")

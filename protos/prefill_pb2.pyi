@@ -38,8 +38,12 @@ class KVDestination(_message.Message):
     def __init__(self, room: _Optional[int] = ..., decode_segment: _Optional[str] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., pre_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., want_checksums: _Optional[bool] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
 
 class SetDestinationResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("prefill_segment", "incarnation")
+    PREFILL_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    prefill_segment: str
+    incarnation: str
+    def __init__(self, prefill_segment: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
     __slots__ = ("room", "first_token_id", "first_logprob", "cached_tokens", "pages_sent", "bytes_sent", "queue_seconds", "prefill_seconds", "transfer_seconds")

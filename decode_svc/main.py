@@ -1,0 +1,65 @@
+"""`halfmoon serve-decode`: a decode worker (gRPC halfmoon.v1.Decode + health + reflection + /metrics).
+
+    halfmoon serve-decode --model smollm2-135m-instruct --port 7002 --metrics-port 9402 \
+        --registry 127.0.0.1:50050 --worker-id decode-0 --page-size 16 --kv-memory-mb 512
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from prefill_svc.runtime import Worker, add_common_arguments, engine_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, "decode")
+    parser.add_argument("--disable-decode-radix-cache", action="store_true",
+                        help="no prefix cache on decode: every prompt page is transferred")
+    parser.add_argument("--kv-wait-timeout", type=float, default=60.0,
+                        help="seconds a pre-allocated request waits for P's KV and notice")
+    parser.add_argument("--fence-timeout", type=float, default=None,
+                        help="seconds quarantined destination pages wait for P's notice while P "
+                             "is alive (default 2 x --kv-wait-timeout)")
+
+
+def _tokenizer(runner):
+    if runner.model_path is None:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(runner.model_path))
+    except Exception:
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from decode_svc.peers import PrefillPeers
+    from decode_svc.scheduler import DecodeScheduler
+    from decode_svc.server import DecodeServicer
+    from engine.model_runner import ModelRunner
+    from protos import decode_pb2, decode_pb2_grpc
+
+    w = Worker(args, "decode")
+    # rows: running requests + as many pre-allocated/transferring ones (anchors §1.5)
+    runner = ModelRunner(engine_config(args, 2 * args.max_running_requests))
+    transfer = w.start_transfer(runner)
+    tok = _tokenizer(runner)
+    holder = {}
+    peers = PrefillPeers(lambda *m: holder["s"].post(*m), registry=w.registry)
+    sched = DecodeScheduler(runner, transfer, peers, segment_name=transfer.name,
+                            eos_token_ids=runner.model_config.eos_token_ids, tokenizer=tok,
+                            max_running=args.max_running_requests,
+                            disable_radix_cache=args.disable_decode_radix_cache,
+                            checksums=args.kv_checksums, kv_wait_timeout_s=args.kv_wait_timeout,
+                            fence_timeout_s=args.fence_timeout)
+    holder["s"] = sched
+    sched.start()
+    servicer = DecodeServicer(sched, args.worker_id, vocab_size=runner.vocab_size,
+                              max_context=runner.max_context, tokenizer=tok)
+    name = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+    w.start_server(lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s), name)
+    w.publish_and_serve()
+    w.wait_for_signal()
+    w.shutdown(lambda: (sched.stop(), peers.close()))
+    return 0

@@ -1,0 +1,71 @@
+"""Decode gRPC servicer: ``Generate`` (server stream of DecodeChunk), ``Abort``, ``GetLoad``.
+
+``Generate`` validates the request (INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED when it
+can never fit, both before anything is allocated), hands it to the scheduler thread and streams
+what the scheduler puts on the request's queue. A cancelled stream (router/client gone) aborts the
+request; every chunk is one token (the first carries P's token).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from decode_svc.scheduler import DecodeJob, DecodeScheduler, ServiceError
+from engine.errors import InvalidRequestError
+from prefill_svc.protocol import validate_request
+from protos import common_pb2, decode_pb2_grpc
+
+log = logging.getLogger("halfmoon.decode")
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, scheduler: DecodeScheduler, worker_id: str, *, vocab_size: int,
+                 max_context: int, tokenizer=None):
+        self.sched = scheduler
+        self.worker_id = worker_id
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.tokenizer = tokenizer
+
+    def Generate(self, request, context):
+        try:
+            params = validate_request(request.room, request.input_ids, request.sampling,
+                                      self.vocab_size, self.max_context)
+            if not request.prefill_address:
+                raise InvalidRequestError("prefill_address", "empty (P's gRPC host:port is needed)")
+            if params.stop and self.tokenizer is None:
+                raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        why = self.sched.never_fits(len(request.input_ids), params.max_tokens)
+        if why:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        job = DecodeJob(request_id=request.request_id, room=int(request.room),
+                        ids=list(request.input_ids), params=params,
+                        prefill_address=request.prefill_address)
+        if params.stop:
+            from engine.detokenizer import IncrementalDetokenizer
+
+            job.detok = IncrementalDetokenizer(self.tokenizer, job.ids, params.stop,
+                                               params.skip_special_tokens)
+        self.sched.submit(job)
+        context.add_callback(lambda: job.finish_reason or self.sched.abort(
+            job.room, job.request_id, "decode stream cancelled"))
+        while True:
+            item = job.out.get()
+            if item is None:
+                return
+            if isinstance(item, ServiceError):
+                context.abort(item.code, str(item))
+            yield item
+
+    def Abort(self, request, context):
+        found = self.sched.abort(int(request.room), request.request_id, request.reason or "abort RPC")
+        return common_pb2.AbortResponse(found=found)
+
+    def GetLoad(self, request, context):
+        rep = self.sched.load()
+        rep.worker_id = self.worker_id
+        return rep

@@ -1,0 +1,46 @@
+"""`halfmoon serve-prefill`: a prefill worker (gRPC halfmoon.v1.Prefill + health + reflection + /metrics).
+
+    halfmoon serve-prefill --model smollm2-135m-instruct --port 7001 --metrics-port 9401 \
+        --registry 127.0.0.1:50050 --worker-id prefill-0 --page-size 16 --kv-memory-mb 512
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from prefill_svc.runtime import Worker, add_common_arguments, engine_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, "prefill")
+    parser.add_argument("--destination-timeout", type=float, default=60.0,
+                        help="seconds a request waits for D's KV destination (and an early "
+                             "destination waits for its request) before it fails")
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="no prefix cache on the prefill worker")
+    parser.add_argument("--transfer-log", default=None,
+                        help="append one JSON line per KV batch and notice to this file (tests)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.model_runner import ModelRunner
+    from prefill_svc.scheduler import PrefillScheduler
+    from prefill_svc.server import PrefillServicer
+    from protos import prefill_pb2, prefill_pb2_grpc
+
+    w = Worker(args, "prefill")
+    runner = ModelRunner(engine_config(args, args.max_running_requests, args.disable_radix_cache))
+    transfer = w.start_transfer(runner)
+    sched = PrefillScheduler(runner, transfer, destination_timeout_s=args.destination_timeout,
+                             transfer_log=args.transfer_log, checksums=args.kv_checksums,
+                             reopen=transfer.open_segment,
+                             disable_radix_cache=args.disable_radix_cache)
+    sched.start()
+    servicer = PrefillServicer(sched, transfer, args.worker_id, vocab_size=runner.vocab_size,
+                               max_context=runner.max_context)
+    name = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+    w.start_server(lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s), name)
+    w.publish_and_serve()
+    w.wait_for_signal()
+    w.shutdown(sched.stop)
+    return 0

@@ -1,0 +1,160 @@
+"""Worker runtime shared by the two halves of a PD pair (``serve-prefill`` and ``serve-decode``).
+
+Start-up order: model + KV pool (ModelRunner) -> transfer engine with every K/V buffer registered
+-> gRPC server (service + grpc.health.v1 NOT_SERVING + reflection) -> ``/metrics`` -> publish the
+segment (KVLayout "layer_major") and the worker record in the registry (heartbeats) -> health
+SERVING -> one line ``READY <worker-id> grpc=<addr>`` on stdout. SIGTERM/SIGINT stop it in reverse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from halfmoon import metrics as M
+
+log = logging.getLogger("halfmoon.worker")
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    """Flags both workers take (the router and launcher engineers use exactly these)."""
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model name or HF directory")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="Prometheus /metrics port (0 = pick a free one, -1 = none)")
+    parser.add_argument("--registry", default="127.0.0.1:50050", help="transfer registry host:port")
+    parser.add_argument("--advertise-host", default=None,
+                        help="host peers use to reach this worker (default: --host)")
+    parser.add_argument("--worker-id", default=f"{role}-{socket.gethostname()}-{os.getpid()}",
+                        help="worker id = transfer segment name")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--kv-memory-mb", type=float, default=512.0, help="KV pool budget in MiB")
+    parser.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-memory-mb)")
+    parser.add_argument("--torch-threads", type=int, default=1, help="intra-op torch threads")
+    parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument("--max-context", type=int, default=None, help="tokens per request (default: model's)")
+    parser.add_argument("--chunked-prefill-size", type=int, default=2048)
+    parser.add_argument("--transport", default="sm", help="UCX transports: sm | tcp | a UCX_TLS list")
+    parser.add_argument("--transfer-timeout", type=float, default=30.0,
+                        help="seconds before a pending KV transfer batch fails")
+    parser.add_argument("--kv-checksums", action="store_true",
+                        help="P sends per-page crc32 checksums in the notice; D verifies them")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def engine_config(args, rows: int, disable_radix_cache: bool = False):
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
+                        page_size=args.page_size, kv_memory=int(args.kv_memory_mb * (1 << 20)),
+                        num_pages=args.num_pages, max_running_requests=rows,
+                        max_context=args.max_context, chunked_prefill_size=args.chunked_prefill_size,
+                        disable_radix_cache=disable_radix_cache, torch_threads=args.torch_threads)
+
+
+class Worker:
+    """The process-level parts of one worker; the service plugs in through ``add_service``."""
+
+    def __init__(self, args, role: str):
+        logging.basicConfig(level=args.log_level.upper(),
+                            format=f"%(asctime)s %(levelname)s {args.worker_id} %(name)s: %(message)s")
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))
+        self.args = args
+        self.role = role
+        self.worker_id = args.worker_id
+        self.registry = None
+        self.transfer = None
+        self.server = None
+        self.health = None
+        self.grpc_address = ""
+        self.metrics_address = ""
+
+    def start_transfer(self, runner):
+        """Transfer engine named after the worker, every K/V buffer registered, plus the registry
+        client used as its resolver."""
+        from prefill_svc.protocol import kv_layout
+        from transfer_svc.engine import TransferEngine
+        from transfer_svc.registry_client import RegistryClient
+
+        a = self.args
+        self.registry = RegistryClient(a.registry, worker_id=self.worker_id, role=self.role,
+                                       model=a.model)
+        self.transfer = TransferEngine(self.worker_id, transports=a.transport,
+                                       timeout_s=a.transfer_timeout, resolver=self.registry)
+        loc = "cpu" if runner.device.type == "cpu" else f"cuda:{runner.device.index or 0}"
+        for buf in runner.kv_pool.buffers():
+            self.transfer.register_memory(buf.data_ptr(), buf.numel() * buf.element_size(), loc)
+        self.layout = kv_layout(runner.kv_pool, a.model)
+        return self.transfer
+
+    def start_server(self, add_service, service_name: str, max_workers: int = 64) -> None:
+        a = self.args
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                             thread_name_prefix=f"{self.role}-grpc"))
+        add_service(self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for name in ("", service_name):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        port = self.server.add_insecure_port(f"{a.host}:{a.port}")
+        if port == 0:
+            raise OSError(f"cannot bind {a.host}:{a.port}")
+        self.server.start()
+        self.service_name = service_name
+        self.grpc_address = f"{a.advertise_host or a.host}:{port}"
+        if a.metrics_port >= 0:
+            mport = M.start_metrics_server(a.metrics_port, role=self.role, worker_id=self.worker_id,
+                                           model=a.model)
+            self.metrics_address = f"{a.advertise_host or a.host}:{mport}"
+
+    def publish_and_serve(self) -> None:
+        """Publish segment + record, flip health to SERVING, print the READY line."""
+        rec = self.registry.record
+        rec.grpc_address = self.grpc_address
+        rec.metrics_address = self.metrics_address
+        self.registry.publish(self.transfer.publish(self.layout))
+        for name in ("", self.service_name):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        print(f"READY {self.worker_id} grpc={self.grpc_address} metrics={self.metrics_address}",
+              flush=True)
+
+    def wait_for_signal(self) -> None:
+        done = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: done.set())
+        done.wait()
+
+    def shutdown(self, stop_service=None) -> None:
+        if self.health is not None:
+            for name in ("", self.service_name):
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.registry is not None:
+            self.registry.close()
+        if self.server is not None:
+            self.server.stop(grace=1.0).wait()
+        if stop_service is not None:
+            stop_service()
+        if self.transfer is not None:
+            self.transfer.close()
+        M.stop_metrics_servers()
+
+
+def fail_start(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    return 2

@@ -1,0 +1,234 @@
+"""Shared fixtures for integration tests: real processes (registry, prefill, decode) on loopback.
+
+Processes are started with ``python -m halfmoon <subcommand>``, one torch thread each, and stopped
+by PID (SIGTERM, then SIGKILL). Each worker logs to a file under the test's tmp dir; the READY line
+(``READY <worker-id> grpc=<addr> ...``) tells when it serves.
+
+    with start_stack(tmp_path, page_size=16) as st:      # registry + 1 P + 1 D
+        drv = PDDriver(st.prefill_addr, st.decode_addr)
+        ...
+        assert_idle_accounting(st)
+
+``pd_stack`` is a module-scoped stack with the defaults; the router tests reuse ``start_stack``,
+``start_registry`` and ``start_worker``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = os.environ.get("HALFMOON_TEST_MODEL", "smollm2-135m-instruct")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_available(model: str = MODEL) -> bool:
+    from engine.model_store import ModelNotFoundError, resolve_model
+
+    try:
+        resolve_model(model)
+        return True
+    except ModelNotFoundError:
+        return False
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    address: str = ""
+    metrics_address: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_line(self, pattern: str, timeout: float = 180.0) -> re.Match:
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = rx.search(self.log())
+            if m:
+                return m
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{self.log()[-4000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name}: no line matching {pattern!r} in {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+
+    def kill(self) -> None:
+        """SIGKILL (a crash): no cleanup runs in the process."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(10)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _spawn(name: str, args: list[str], log_dir: Path) -> Proc:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    f = open(log_path, "ab")
+    popen = subprocess.Popen([sys.executable, "-m", "halfmoon", *args], cwd=ROOT, env=_env(),
+                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    f.close()
+    return Proc(name, popen, log_path)
+
+
+def start_registry(log_dir: Path, ttl: int = 5) -> Proc:
+    port = free_port()
+    p = _spawn("registry", ["serve-transfer", "--port", str(port), "--metrics-port", "-1",
+                            "--ttl", str(ttl)], log_dir)
+    p.wait_line(r"registry listening grpc=(\S+)", timeout=60)
+    p.address = f"127.0.0.1:{port}"
+    return p
+
+
+def start_worker(role: str, registry: str, log_dir: Path, worker_id: str, *, model: str = MODEL,
+                 page_size: int = 16, num_pages: int | None = None, kv_memory_mb: float = 64,
+                 extra: list[str] = (), wait: bool = True) -> Proc:
+    """Start ``halfmoon serve-prefill|serve-decode`` (role "prefill" | "decode")."""
+    args = [f"serve-{role}", "--model", model, "--host", "127.0.0.1", "--port", "0",
+            "--metrics-port", "0", "--registry", registry, "--worker-id", worker_id,
+            "--page-size", str(page_size), "--torch-threads", "1", "--transport", "sm",
+            "--max-running-requests", "16"]
+    args += ["--num-pages", str(num_pages)] if num_pages else ["--kv-memory-mb", str(kv_memory_mb)]
+    p = _spawn(worker_id, args + list(extra), log_dir)
+    if wait:
+        wait_ready(p)
+    return p
+
+
+def wait_ready(p: Proc, timeout: float = 240.0) -> None:
+    m = p.wait_line(r"READY (\S+) grpc=(\S+) metrics=(\S*)", timeout=timeout)
+    p.address, p.metrics_address = m.group(2), m.group(3)
+
+
+@dataclass
+class Stack:
+    registry: Proc
+    prefill: Proc
+    decode: Proc
+    log_dir: Path
+    transfer_log: Path
+    page_size: int
+    procs: list = field(default_factory=list)
+
+    @property
+    def prefill_addr(self) -> str:
+        return self.prefill.address
+
+    @property
+    def decode_addr(self) -> str:
+        return self.decode.address
+
+    def transfer_records(self) -> list[dict]:
+        """P's transfer log (one dict per batch / notice), in order."""
+        if not self.transfer_log.exists():
+            return []
+        return [json.loads(line) for line in self.transfer_log.read_text().splitlines() if line.strip()]
+
+
+@contextlib.contextmanager
+def start_stack(log_dir: Path, *, page_size: int = 16, prefill_pages: int | None = None,
+                decode_pages: int | None = None, prefill_extra: list[str] = (),
+                decode_extra: list[str] = (), model: str = MODEL):
+    """Registry + one prefill + one decode worker (started concurrently); stopped on exit."""
+    log_dir = Path(log_dir)
+    tlog = log_dir / "transfer.jsonl"
+    reg = start_registry(log_dir)
+    procs = [reg]
+    try:
+        p = start_worker("prefill", reg.address, log_dir, "prefill-0", model=model,
+                         page_size=page_size, num_pages=prefill_pages,
+                         extra=["--transfer-log", str(tlog), *prefill_extra], wait=False)
+        procs.append(p)
+        d = start_worker("decode", reg.address, log_dir, "decode-0", model=model,
+                         page_size=page_size, num_pages=decode_pages, extra=list(decode_extra),
+                         wait=False)
+        procs.append(d)
+        wait_ready(p)
+        wait_ready(d)
+        yield Stack(reg, p, d, log_dir, tlog, page_size, procs)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def get_load(address: str, service: str):
+    from protos import decode_pb2_grpc, prefill_pb2_grpc, common_pb2
+
+    with grpc.insecure_channel(address) as ch:
+        stub = (prefill_pb2_grpc.PrefillStub if service == "prefill" else decode_pb2_grpc.DecodeStub)(ch)
+        return stub.GetLoad(common_pb2.GetLoadRequest(), timeout=30)
+
+
+def assert_idle_accounting(stack_or_addrs, timeout: float = 30.0) -> dict:
+    """Wait until P and D are idle, then assert free + evictable + locked + owned == pool, no lock,
+    room or request slot held. Returns {"prefill": KVAccounting, "decode": KVAccounting}."""
+    if isinstance(stack_or_addrs, Stack):
+        targets = [("prefill", stack_or_addrs.prefill_addr), ("decode", stack_or_addrs.decode_addr)]
+    else:
+        targets = list(stack_or_addrs)
+    out = {}
+    for service, addr in targets:
+        deadline = time.monotonic() + timeout
+        while True:
+            a = get_load(addr, service).accounting
+            idle = a.held_rooms == 0 and a.held_req_slots == 0 and a.owned_pages == 0 and a.locked_pages == 0
+            if idle or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert a.free_pages + a.evictable_pages + a.locked_pages + a.owned_pages == a.total_pages, (service, a)
+        assert a.locked_pages == 0 and a.min_lock_ref == 0, (service, a)
+        assert a.owned_pages == 0, (service, a)
+        assert a.held_rooms == 0 and a.held_req_slots == 0, (service, a)
+        out[service] = a
+    return out
+
+
+@pytest.fixture(scope="module")
+def pd_stack(tmp_path_factory):
+    if not model_available():
+        pytest.skip(f"model {MODEL} is not pulled (run `halfmoon models pull {MODEL}`)")
+    with start_stack(tmp_path_factory.mktemp("pd")) as st:
+        yield st
