@@ -1,0 +1,333 @@
+"""``halfmoon up``: the whole stack on this machine — registry, N prefill, M decode workers and the
+router — as child processes on loopback.
+
+    halfmoon up --prefill 1 --decode 1                     # ports from --base-port 50050
+    halfmoon up --prefill 2 --decode 2 --base-port 0 --endpoints-file /tmp/hm.json
+
+Each child runs ``python -m halfmoon <serve-...>`` in its own session (process group), with
+``PR_SET_PDEATHSIG`` so it dies with the launcher even on SIGKILL; its output goes to
+``<log-dir>/<name>.log``. ``up`` waits until every process printed its ready line and the router
+reports all N + M workers healthy, prints the endpoints (a table, and one line
+``ENDPOINTS {json}``; also written to ``--endpoints-file``), then waits for Ctrl-C / SIGTERM and
+stops the router, the workers and the registry in that order: SIGTERM to each process group, then
+SIGKILL after ``--stop-timeout`` seconds. A router or registry that dies stops the stack (exit 1).
+
+Port plan with ``--base-port B`` (0 = every port picked free by its process): router gRPC B, HTTP
+B+1, metrics B+2; registry gRPC B+3, metrics B+4; worker k (prefill first, then decode) gRPC
+B+10+2k, metrics B+11+2k. Threads: each worker gets ``max(1, cores // (N + M))`` torch threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from engine.model_store import DEFAULT_MODEL
+
+_REGISTRY_RE = re.compile(r"registry listening grpc=(\S+) metrics=(\S+)")
+_WORKER_RE = re.compile(r"READY (\S+) grpc=(\S+)(?: metrics=(\S*))?")
+_ROUTER_RE = re.compile(r"READY router grpc=(\S+) http=(\S+) metrics=(\S+)")
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(n_workers: int, cores: int | None = None) -> int:
+    """Torch intra-op threads per worker: the cores split evenly, at least 1 (1 when workers > cores)."""
+    return max(1, (cores or cpu_count()) // max(1, n_workers))
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log: Path
+    ready_re: re.Pattern
+    popen: subprocess.Popen | None = None
+    match: re.Match | None = None
+    extra_env: dict = field(default_factory=dict)
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.extra_env)
+        with open(self.log, "wb") as out:
+            self.popen = subprocess.Popen([sys.executable, "-m", "halfmoon", *self.argv], stdout=out,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                          preexec_fn=_pdeathsig, cwd=os.getcwd())
+
+    def poll_ready(self) -> bool:
+        if self.match is None:
+            m = self.ready_re.search(self.log.read_text(errors="replace"))
+            self.match = m
+        return self.match is not None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+@dataclass
+class StackConfig:
+    """What ``halfmoon up`` starts. Ports: see the module docstring."""
+    model: str = DEFAULT_MODEL
+    prefill: int = 1
+    decode: int = 1
+    base_port: int = 50050
+    host: str = "127.0.0.1"
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "cache_aware"
+    page_size: int = 16
+    kv_memory_mb: float = 256.0
+    torch_threads: int = 0          # 0 = threads_per_worker(prefill + decode)
+    log_dir: str = ""
+    ready_timeout: float = 300.0
+    stop_timeout: float = 10.0
+    worker_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+
+
+class StackError(RuntimeError):
+    """A process of the stack failed to start or died."""
+
+
+class Stack:
+    """The running stack; use as a context manager (``with Stack(cfg) as s: s.endpoints``).
+
+    Raises:
+        StackError: from :meth:`start` when a process exits or is not ready in time (with its log tail).
+    """
+
+    def __init__(self, cfg: StackConfig) -> None:
+        self.cfg = cfg
+        self.log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="halfmoon-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[Proc] = []
+        self.endpoints: dict = {}
+
+    def _port(self, offset: int) -> int:
+        return 0 if self.cfg.base_port == 0 else self.cfg.base_port + offset
+
+    def __enter__(self) -> "Stack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait(self, procs: list[Proc], deadline: float) -> None:
+        while not all(p.poll_ready() for p in procs):
+            for p in procs:
+                if not p.alive() and not p.poll_ready():
+                    raise StackError(f"{p.name} exited (rc={p.popen.returncode}) before it was ready; "
+                                     f"log {p.log}:\n{p.tail()}")
+            if time.monotonic() > deadline:
+                late = [p.name for p in procs if not p.poll_ready()]
+                raise StackError(f"not ready after {self.cfg.ready_timeout:.0f} s: {late}; logs in {self.log_dir}")
+            time.sleep(0.1)
+
+    def start(self) -> dict:
+        """Start every process, wait until all are healthy; returns :attr:`endpoints`."""
+        c = self.cfg
+        deadline = time.monotonic() + c.ready_timeout
+        n = c.prefill + c.decode
+        threads = c.torch_threads or threads_per_worker(n)
+        reg = Proc("registry", ["serve-transfer", "--host", c.host, "--port", str(self._port(3)),
+                                "--metrics-port", str(self._port(4))], self.log_dir / "registry.log",
+                   _REGISTRY_RE, extra_env={"OMP_NUM_THREADS": "1"})
+        self.procs.append(reg)
+        reg.start()
+        self._wait([reg], deadline)
+        registry = reg.match.group(1)
+        workers = []
+        for k in range(n):
+            role = "prefill" if k < c.prefill else "decode"
+            idx = k if k < c.prefill else k - c.prefill
+            wid = f"{role}-{idx}"
+            argv = [f"serve-{role}", "--model", c.model, "--host", c.host, "--port", str(self._port(10 + 2 * k)),
+                    "--metrics-port", str(self._port(11 + 2 * k)), "--registry", registry,
+                    "--advertise-host", c.host, "--worker-id", wid, "--page-size", str(c.page_size),
+                    "--torch-threads", str(threads), "--kv-memory-mb", str(c.kv_memory_mb), *c.worker_args]
+            p = Proc(wid, argv, self.log_dir / f"{wid}.log", _WORKER_RE,
+                     extra_env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+            self.procs.append(p)
+            workers.append((role, p))
+            p.start()
+        router = Proc("router", ["serve-router", "--model", c.model, "--host", c.host, "--port", str(self._port(0)),
+                                 "--http-port", str(self._port(1)), "--metrics-port", str(self._port(2)),
+                                 "--registry", registry, "--prefill-policy", c.prefill_policy,
+                                 "--decode-policy", c.decode_policy, "--page-size", str(c.page_size),
+                                 *c.router_args],
+                      self.log_dir / "router.log", _ROUTER_RE, extra_env={"OMP_NUM_THREADS": "1"})
+        self.procs.append(router)
+        router.start()
+        self._wait([p for _, p in workers] + [router], deadline)
+        rg, rh, rm = router.match.groups()
+        self.endpoints = {
+            "router": {"grpc": rg, "http": rh, "metrics": rm, "pid": router.popen.pid},
+            "registry": {"grpc": registry, "metrics": f"{c.host}:{reg.match.group(2)}", "pid": reg.popen.pid},
+            "prefill": [], "decode": [], "model": c.model, "log_dir": str(self.log_dir),
+            "torch_threads": threads,
+        }
+        for role, p in workers:
+            wid, addr, metrics = p.match.groups()
+            self.endpoints[role].append({"worker_id": wid, "grpc": addr, "metrics": metrics or "",
+                                         "pid": p.popen.pid})
+        self._wait_router_sees_workers(rg, n, deadline)
+        return self.endpoints
+
+    def _wait_router_sees_workers(self, address: str, n: int, deadline: float) -> None:
+        from protos import router_pb2, router_pb2_grpc
+
+        with grpc.insecure_channel(address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            while True:
+                try:
+                    ws = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers
+                    if sum(1 for w in ws if w.healthy) >= n:
+                        return
+                except grpc.RpcError:
+                    pass
+                dead = [p for p in self.procs if not p.alive()]
+                if dead:
+                    raise StackError(f"{dead[0].name} died during start-up; log {dead[0].log}:\n{dead[0].tail()}")
+                if time.monotonic() > deadline:
+                    raise StackError(f"the router does not see {n} healthy workers after "
+                                     f"{self.cfg.ready_timeout:.0f} s; logs in {self.log_dir}")
+                time.sleep(0.2)
+
+    def dead(self) -> list[Proc]:
+        """Processes that exited on their own."""
+        return [p for p in self.procs if p.popen is not None and not p.alive()]
+
+    def stop(self) -> None:
+        """Router first, then workers, then the registry: SIGTERM each group, SIGKILL stragglers."""
+        order = [p for p in self.procs if p.name == "router"] + \
+                [p for p in self.procs if p.name not in ("router", "registry")] + \
+                [p for p in self.procs if p.name == "registry"]
+        for group in (order[:1], order[1:-1], order[-1:]):
+            for p in group:
+                p.signal(signal.SIGTERM)
+            end = time.monotonic() + self.cfg.stop_timeout
+            for p in group:
+                if p.popen is None:
+                    continue
+                try:
+                    p.popen.wait(timeout=max(0.0, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.signal(signal.SIGKILL)
+                    p.popen.wait()
+                p.signal(signal.SIGKILL)  # anything its process group still holds
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF directory")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--base-port", type=int, default=50050, help="first port of the plan (0 = all free ports)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--prefill-policy", default="cache_aware")
+    p.add_argument("--decode-policy", default="cache_aware")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-memory-mb", type=float, default=256.0, help="KV pool per worker (MiB)")
+    p.add_argument("--torch-threads", type=int, default=0, help="per worker (0 = cores / workers, at least 1)")
+    p.add_argument("--log-dir", default="", help="child logs (default: a new temp dir)")
+    p.add_argument("--endpoints-file", default="", help="also write the endpoints JSON here")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--stop-timeout", type=float, default=10.0)
+
+
+def config_from_args(args: argparse.Namespace) -> StackConfig:
+    if args.prefill < 1 or args.decode < 1:
+        raise SystemExit("up: --prefill and --decode must be >= 1")
+    return StackConfig(model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
+                       host=args.host, prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+                       page_size=args.page_size, kv_memory_mb=args.kv_memory_mb, torch_threads=args.torch_threads,
+                       log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout)
+
+
+def print_endpoints(ep: dict, out=sys.stdout) -> None:
+    r = ep["router"]
+    print(f"halfmoon is up ({ep['model']}; logs in {ep['log_dir']})", file=out)
+    print(f"  router    gRPC {r['grpc']}   OpenAI HTTP http://{r['http']}/v1   metrics http://{r['metrics']}/metrics",
+          file=out)
+    print(f"  registry  gRPC {ep['registry']['grpc']}   metrics http://{ep['registry']['metrics']}/metrics", file=out)
+    for role in ("prefill", "decode"):
+        for w in ep[role]:
+            print(f"  {w['worker_id']:<9} gRPC {w['grpc']}   metrics http://{w['metrics']}/metrics", file=out)
+    print("ENDPOINTS " + json.dumps(ep), file=out, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = {"sig": None, "started": False}
+
+    def on_signal(sig, _frame):
+        stop["sig"] = sig
+        if not stop["started"]:
+            raise KeyboardInterrupt  # interrupt start-up; `finally` stops what runs
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stack = Stack(config_from_args(args))
+    rc = 0
+    try:
+        ep = stack.start()
+        stop["started"] = True
+        print_endpoints(ep)
+        if args.endpoints_file:
+            Path(args.endpoints_file).write_text(json.dumps(ep, indent=1))
+        while stop["sig"] is None:
+            dead = stack.dead()
+            core = [p for p in dead if p.name in ("router", "registry")]
+            if core:
+                print(f"{core[0].name} exited (rc={core[0].popen.returncode}); stopping. Log tail:\n"
+                      f"{core[0].tail()}", file=sys.stderr)
+                rc = 1
+                break
+            time.sleep(0.2)
+    except StackError as exc:
+        print(f"up: {exc}", file=sys.stderr)
+        rc = 1
+    except KeyboardInterrupt:
+        rc = 130
+    finally:
+        stack.stop()
+    return rc
