@@ -593,22 +593,33 @@ class TransferEngine:
         desc.digest = descriptor_digest(desc)
         return desc
 
-    def open_segment(self, target: str | registry_pb2.SegmentDescriptor) -> Segment:
+    def open_segment(self, target: str | registry_pb2.SegmentDescriptor,
+                     incarnation: str | None = None) -> Segment:
         """Open (connect to) a peer's segment, from its descriptor or its name (through `resolver`).
 
         Reuses the open handle when the descriptor's incarnation is unchanged; a new incarnation
-        (peer restarted) drops the old handle first. Raises DescriptorError for malformed
-        descriptors, KeyError for an unknown name, UCXError when UCX cannot reach the peer."""
+        (peer restarted) drops the old handle first. With a name, `incarnation` (when the caller
+        knows which one it wants, e.g. from a KVDestination) forces a registry lookup if the cached
+        descriptor is another one. Raises DescriptorError for malformed descriptors, KeyError for
+        an unknown name, SegmentClosed when the owner process on this host is gone, UCXError when
+        UCX cannot reach the peer."""
         if isinstance(target, str):
             if self.resolver is None:
                 raise TransferError("open_segment(name) needs a resolver (registry client)")
-            desc = self.resolver.get_segment(target)
             with self._lock:
                 old = self._segments.get(target)
+            if old is not None and old.alive and old.local_pid and \
+                    pid_start_ticks(old.local_pid) != old.local_start:
+                self._call(self._close_segment, old, "owner process exited", True)
+            desc = self.resolver.get_segment(target)
             dead = old is None or not old.alive
-            if dead and self._dropped.get(target) == desc.incarnation:
-                # the cached descriptor is the one that just failed: ask the registry again
+            if ((dead and self._dropped.get(target) == desc.incarnation)
+                    or (incarnation and desc.incarnation != incarnation)):
+                # the cached descriptor is the one that failed, or not the one asked for
                 desc = self.resolver.get_segment(target, refresh=True)
+            if incarnation and desc.incarnation != incarnation:
+                raise SegmentClosed(f"segment {target!r}: registry has incarnation "
+                                    f"{desc.incarnation}, not {incarnation}")
         else:
             desc = target
         self._validate_descriptor(desc)
