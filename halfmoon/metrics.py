@@ -57,8 +57,9 @@ decode (decode_svc)
     (waiting for KV pages), transfer (pages allocated, waiting for the prefill's KV + notice),
     waiting (KV committed, waiting to join the running batch).
   - ``halfmoon_decode_running_requests`` gauge: requests in the running (continuous) batch.
-  - ``halfmoon_decode_kv_pool_usage_ratio`` gauge: 1 − free/total pages of the KV pool, in [0, 1]
-    (evictable radix pages count as used; see ``halfmoon_decode_kv_pool_pages``).
+  - ``halfmoon_decode_kv_pool_usage_ratio`` gauge: 1 − (free + evictable) / total pages of the KV
+    pool, in [0, 1]: the share held by requests (locked prefixes + owned pages), as SGLang's
+    token usage; evictable radix pages count as available. Alerts and the decode HPA use it.
   - ``halfmoon_decode_kv_pool_pages`` gauge {state}: pages per state ∈ :data:`KV_PAGE_STATES`
     (free, evictable, locked, owned); the states sum to the pool size.
   - ``halfmoon_decode_prompt_tokens_total`` counter: prompt tokens of requests pre-allocated.
@@ -204,7 +205,8 @@ DECODE_QUEUE = Gauge(
 DECODE_RUNNING = Gauge(
     "halfmoon_decode_running_requests", "Requests in the running decode batch.", registry=_R)
 DECODE_KV_USAGE = Gauge(
-    "halfmoon_decode_kv_pool_usage_ratio", "Used fraction of the decode KV pool: 1 - free/total pages.",
+    "halfmoon_decode_kv_pool_usage_ratio",
+    "Share of the decode KV pool held by requests: 1 - (free + evictable) / total pages.",
     registry=_R)
 DECODE_KV_PAGES = Gauge(
     "halfmoon_decode_kv_pool_pages", "Decode KV pool pages by state (free, evictable, locked, owned).",

@@ -55,6 +55,9 @@ ROWS = [
         ("Prefill batch size", "timeseries", "short", "Requests per prefill forward batch (quantiles over 1m).",
          [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_prefill_batch_size_requests_bucket[1m])))", "p50"),
           ("histogram_quantile(0.99, sum by (le) (rate(halfmoon_prefill_batch_size_requests_bucket[1m])))", "p99")]),
+        ("Prefill batch tokens", "timeseries", "short", "Extend tokens per prefill forward batch (quantiles over 1m).",
+         [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_prefill_batch_tokens_bucket[1m])))", "p50"),
+          ("histogram_quantile(0.99, sum by (le) (rate(halfmoon_prefill_batch_tokens_bucket[1m])))", "p99")]),
         ("Prefill compute busy fraction", "timeseries", "percentunit",
          "Seconds of prefill forward per second, per worker (1 = always computing).",
          [("sum by (instance) (rate(halfmoon_prefill_compute_seconds_sum[1m]))", "{{instance}}")]),
@@ -100,6 +103,9 @@ ROWS = [
     ("Workers", [
         ("Registered workers", "timeseries", "short", "Live workers in the transfer registry, by role.",
          [("sum by (role) (halfmoon_registry_workers)", "{{role}}")]),
+        ("halfmoon processes by role and version", "timeseries", "short",
+         "halfmoon_worker_info: one series per process (router, prefill, decode, registry).",
+         [("count by (role, version) (halfmoon_worker_info)", "{{role}} {{version}}")]),
         ("Scrape targets up", "timeseries", "short", "Scrape targets up, by job (halfmoon-<role>).",
          [('sum by (job) (up{job=~"halfmoon-.*"})', "{{job}}")]),
         ("Registry lookups and expired leases", "timeseries", "short", "Per second.",
@@ -124,7 +130,8 @@ def _panel(pid: int, title: str, kind: str, unit: str, desc: str, queries, x: in
                             "tooltip": {"mode": "multi", "sort": "none"}}
     else:
         panel["options"] = {"colorMode": "value", "graphMode": "area", "justifyMode": "auto",
-                            "orientation": "auto", "textMode": "auto",
+                            "orientation": "auto", "textMode": "auto", "wideLayout": True,
+                            "showPercentChange": False, "percentChangeColorMode": "standard",
                             "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}
     return panel
 
@@ -153,7 +160,7 @@ def build() -> dict:
         "schemaVersion": 39,
         "tags": ["halfmoon", "llm"],
         "templating": {"list": [{
-            "current": {}, "hide": 0, "includeAll": False, "label": "Prometheus", "multi": False,
+            "hide": 0, "includeAll": False, "label": "Prometheus", "multi": False,
             "name": "datasource", "options": [], "query": "prometheus", "refresh": 1, "regex": "",
             "type": "datasource"}]},
         "time": {"from": "now-1h", "to": "now"},

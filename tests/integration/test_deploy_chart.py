@@ -1,0 +1,180 @@
+"""The Helm chart (deploy/k8s/halfmoon): lint, render, validate against Kubernetes 1.32 schemas.
+
+Tools come from `make tools` (scripts/install-tools.sh): helm in tools/bin, kubernetes-validate and
+cloudcoil-models-prometheus-operator in the venv. Built-in kinds go through
+`kubernetes-validate --strict -k 1.32.0` (unknown fields rejected); the Prometheus Operator CRDs
+(ServiceMonitor, PrometheusRule) through cloudcoil's pydantic models with extra fields forbidden.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "k8s" / "halfmoon"
+GPU_VALUES = CHART / "values-gpu.yaml"
+KUBE_VERSION = "1.32.0"
+CRD_GROUP = "monitoring.coreos.com/"
+# Everything optional switched on, so every template renders.
+ALL_ON = ["--set", "metrics.serviceMonitor.enabled=true,metrics.prometheusRule.enabled=true,"
+          "metrics.dashboard.enabled=true,prefill.hpa.enabled=true,decode.hpa.enabled=true"]
+
+
+def _helm() -> str:
+    helm = ROOT / "tools" / "bin" / "helm"
+    if not helm.exists():
+        pytest.fail(f"{helm} missing: run `make tools` (scripts/install-tools.sh)")
+    return str(helm)
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, **kw)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _render(*extra: str) -> list[dict]:
+    out = _run([_helm(), "template", "hm", str(CHART), "--namespace", "serving", *extra]).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def _kubernetes_validate(docs: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "kubernetes-validate"
+    if not exe.exists():
+        exe = shutil.which("kubernetes-validate")
+        if exe is None:
+            pytest.fail("kubernetes-validate missing: run `make tools`")
+    path = tmp_path / "manifests.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    return subprocess.run([str(exe), "--strict", "-k", KUBE_VERSION, str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _validate_crd(doc: dict) -> None:
+    from cloudcoil.models.prometheus_operator import v1
+
+    getattr(v1, doc["kind"]).model_validate(doc, extra="forbid")
+
+
+def _by(docs: list[dict], kind: str, name: str) -> dict:
+    for d in docs:
+        if d["kind"] == kind and d["metadata"]["name"] == name:
+            return d
+    raise AssertionError(f"no {kind}/{name} in {[(d['kind'], d['metadata']['name']) for d in docs]}")
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)], ALL_ON], ids=["default", "gpu", "all-on"])
+def test_lint_strict(values):
+    _run([_helm(), "lint", "--strict", str(CHART), *values])
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)], ALL_ON], ids=["default", "gpu", "all-on"])
+def test_rendered_manifests_validate(values, tmp_path):
+    docs = _render(*values)
+    builtin = [d for d in docs if not d["apiVersion"].startswith(CRD_GROUP)]
+    crds = [d for d in docs if d["apiVersion"].startswith(CRD_GROUP)]
+    proc = _kubernetes_validate(builtin, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("passed for resource") == len(builtin), proc.stdout
+    for doc in crds:
+        _validate_crd(doc)
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
+    if values:  # gpu and all-on enable the monitoring objects and HPAs
+        assert {"ServiceMonitor", "PrometheusRule", "HorizontalPodAutoscaler"} <= kinds
+
+
+def test_validators_reject_unknown_fields(tmp_path):
+    """The checks above can fail: a misspelt field is caught by both validators."""
+    docs = _render(*ALL_ON)
+    deploy = copy.deepcopy(_by(docs, "Deployment", "hm-halfmoon-decode"))
+    deploy["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpcc"] = {"port": 1}
+    proc = _kubernetes_validate([deploy], tmp_path)
+    assert proc.returncode != 0 and "grpcc" in proc.stdout + proc.stderr
+    sm = copy.deepcopy(_by(docs, "ServiceMonitor", "hm-halfmoon"))
+    sm["spec"]["endpoints"][0]["intervall"] = "5s"
+    with pytest.raises(Exception, match="intervall"):
+        _validate_crd(sm)
+
+
+def test_workers_register_with_pod_ip_and_grpc_probes():
+    docs = _render()
+    registry = "hm-halfmoon-registry:50050"
+    for role, port in (("prefill", 50052), ("decode", 50053)):
+        dep = _by(docs, "Deployment", f"hm-halfmoon-{role}")
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        args = c["args"]
+        assert args[0] == f"serve-{role}"
+        flags = dict(zip(args[1::2], args[2::2]))
+        assert flags == {"--model": "smollm2-135m-instruct", "--port": str(port), "--metrics-port": "9400",
+                         "--registry": registry, "--advertise-host": "$(POD_IP)", "--worker-id": "$(POD_NAME)"}
+        env = {e["name"]: e for e in c["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["grpc"]["port"] == port
+        svc = _by(docs, "Service", f"hm-halfmoon-{role}")
+        assert svc["spec"]["clusterIP"] == "None"  # headless
+        assert {p["name"] for p in svc["spec"]["ports"]} == {"grpc", "metrics"}
+        init = dep["spec"]["template"]["spec"]["initContainers"][0]
+        assert init["args"] == ["models", "pull", "smollm2-135m-instruct"]
+    router = _by(docs, "Deployment", "hm-halfmoon-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][:1] == ["serve-router"]
+    flags = dict(zip(router["args"][1::2], router["args"][2::2]))
+    assert flags == {"--port": "50051", "--http-port": "8000", "--metrics-port": "9400", "--registry": registry}
+    reg = _by(docs, "Deployment", "hm-halfmoon-registry")
+    assert reg["spec"]["replicas"] == 1 and reg["spec"]["strategy"]["type"] == "Recreate"
+    assert reg["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "serve-transfer", "--port", "50050", "--metrics-port", "9400"]
+    cm = _by(docs, "ConfigMap", "hm-halfmoon")
+    assert cm["data"]["HALFMOON_METRICS_HOST"] == "0.0.0.0"
+
+
+def test_gpu_values_request_gpus_and_cuda_image():
+    docs = _render("-f", str(GPU_VALUES))
+    for role in ("prefill", "decode"):
+        spec = _by(docs, "Deployment", f"hm-halfmoon-{role}")["spec"]
+        assert "replicas" not in spec  # the HPA owns the replica count
+        c = spec["template"]["spec"]["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert c["image"] == "halfmoon:0.1.0-cuda"
+        hpa = _by(docs, "HorizontalPodAutoscaler", f"hm-halfmoon-{role}")
+        assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"].startswith(f"halfmoon_{role}_")
+    router = _by(docs, "Deployment", "hm-halfmoon-router")["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in router["resources"].get("limits", {})
+
+
+def test_monitoring_objects_carry_the_repo_rules_and_dashboard():
+    docs = _render(*ALL_ON)
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules.yaml").read_text())
+    assert _by(docs, "PrometheusRule", "hm-halfmoon")["spec"]["groups"] == rules["groups"]
+    cm = _by(docs, "ConfigMap", "hm-halfmoon-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "halfmoon-dashboard.json").read_text())
+    assert json.loads(cm["data"]["halfmoon-dashboard.json"]) == dashboard
+    sm = _by(docs, "ServiceMonitor", "hm-halfmoon")
+    assert sm["spec"]["jobLabel"] == "halfmoon.io/job"
+    jobs = {d["metadata"]["labels"]["halfmoon.io/job"] for d in docs if d["kind"] == "Service"}
+    assert jobs == {"halfmoon-router", "halfmoon-prefill", "halfmoon-decode", "halfmoon-registry"}
+    # the chart's copies are byte-identical to the canonical files
+    for canonical, copy_ in (("deploy/prometheus/rules.yaml", "files/rules.yaml"),
+                             ("deploy/grafana/halfmoon-dashboard.json", "files/halfmoon-dashboard.json")):
+        assert (ROOT / canonical).read_bytes() == (CHART / copy_).read_bytes(), (
+            f"{CHART / copy_} differs from {canonical}: run deploy/grafana/build_dashboard.py / copy rules.yaml")
+
+
+def test_default_image_is_built_by_the_dockerfiles():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["image"]["repository"] == "halfmoon" and values["image"]["variant"] == "cpu"
+    for variant, name in (("cpu", "Dockerfile"), ("cuda", "Dockerfile.cuda")):
+        text = (ROOT / "deploy" / "docker" / name).read_text()
+        assert f"halfmoon:<version>-{variant}" in text, f"{name} must document the tag the chart uses"
+        assert 'ENTRYPOINT ["halfmoon"]' in text
