@@ -92,7 +92,8 @@ class CacheEvent:
 class CacheStats:
     """Snapshot for servers (``/metrics``, ``GetLoad``) and tests; sizes in pages.
 
-    min_lock_ref is over non-root nodes (0 for an empty tree); node_count excludes the root.
+    min_lock_ref is over non-root nodes (0 for an empty tree); node_count excludes the root;
+    inserted_pages_total / evicted_pages_total count since construction (monotonic, for counters).
     """
 
     node_count: int
@@ -100,6 +101,8 @@ class CacheStats:
     protected_pages: int
     min_lock_ref: int
     max_lock_ref: int
+    inserted_pages_total: int = 0
+    evicted_pages_total: int = 0
 
 
 @dataclass(eq=False)
@@ -153,6 +156,8 @@ class RadixCache:
         self._protected = 0
         self._clock = 0
         self._events: list[CacheEvent] = []
+        self.inserted_pages_total = 0
+        self.evicted_pages_total = 0
 
     def evictable_size(self) -> int:
         """Pages in unlocked nodes (freeable by ``evict`` once their subtree is gone)."""
@@ -229,6 +234,7 @@ class RadixCache:
                             last_access=self._clock)
             node.children[tuple(key[pos:pos + ps])] = leaf
             self._evictable += len(hashes)
+            self.inserted_pages_total += len(hashes)
             if self.enable_events:
                 self._events.append(CacheEvent("insert", tuple(hashes), parent_hash, pos, n))
         return pos
@@ -319,6 +325,7 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, tiebreak, parent))
                 tiebreak += 1
+        self.evicted_pages_total += num_pages - left
         if freed:
             self._free(torch.cat(freed))
         return num_pages - left
@@ -339,7 +346,8 @@ class RadixCache:
             lo = n.lock_ref if lo is None else min(lo, n.lock_ref)
             hi = max(hi, n.lock_ref)
             stack.extend(n.children.values())
-        return CacheStats(count, self._evictable, self._protected, lo or 0, hi)
+        return CacheStats(count, self._evictable, self._protected, lo or 0, hi,
+                          self.inserted_pages_total, self.evicted_pages_total)
 
     def check_invariants(self, *, num_pages: int | None = None, free_pages: int | None = None,
                          owned_pages: int = 0, expect_unlocked: bool = False) -> CacheStats:

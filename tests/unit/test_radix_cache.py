@@ -123,6 +123,8 @@ def test_eviction_is_lru_over_unlocked_leaves():
     f.check(idle=True)
     assert f.cache.evict(10) == 2 and f.cache.total_size() == 0
     assert f.alloc.num_free == 32
+    s = f.cache.stats()
+    assert (s.inserted_pages_total, s.evicted_pages_total, s.node_count) == (6, 6, 0)
 
 
 def test_eviction_never_takes_an_inner_node_with_children():

@@ -88,6 +88,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.ps, self.num_pages = ps, num_pages
         self.alloc = PageAllocator(num_pages, ps)
         self.freed: list[int] = []
+        self.evicted = 0
 
         def free(ids):
             self.freed += ids.tolist()
@@ -112,6 +113,7 @@ class RadixMachine(RuleBasedStateMachine):
         got = self.cache.evict(n)
         want = self.ref.evict(n)
         assert got == len(want) and sorted(self.freed) == sorted(want)
+        self.evicted += got
 
     def _insert_committed(self, req, kv_len):
         """insert + free duplicates [pre_len, n_dup) and drop them from req.owned; return aligned len."""
@@ -202,6 +204,8 @@ class RadixMachine(RuleBasedStateMachine):
         stats = self.cache.check_invariants(num_pages=self.num_pages, free_pages=self.alloc.num_free,
                                             owned_pages=owned, expect_unlocked=not self.reqs)
         assert stats.min_lock_ref >= 0
+        assert stats.evicted_pages_total == self.evicted
+        assert stats.inserted_pages_total - stats.evicted_pages_total == self.cache.total_size()
         assert tree_pages(self.cache) == self.ref.pages
         assert self.cache.evictable_size() == sum(e[1] == 0 for e in self.ref.pages.values())
 
