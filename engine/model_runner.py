@@ -16,6 +16,8 @@ the same way::
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from engine.attention import create_backend
@@ -23,18 +25,21 @@ from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, pages_for_budget
 from engine.model_loader import load_model
+from engine.models.llama import LlamaForCausalLM
 from engine.page_allocator import PageAllocator
 from engine.req_to_token_pool import ReqToTokenPool
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: tuple[LlamaForCausalLM, Path | None] | None = None):
+        """Load the model (or reuse ``loaded = (model, hf_dir)`` from another runner, e.g. to build
+        pools of another page size over the same weights) and allocate the pools."""
         config.apply_threads()
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        self.model, self.model_path = load_model(config.model, config.load_format, self.dtype,
-                                                 self.device, config.seed)
+        self.model, self.model_path = loaded or load_model(config.model, config.load_format, self.dtype,
+                                                           self.device, config.seed)
         mc = self.model_config = self.model.config
         self.page_size = config.page_size
         self.max_context = config.max_context or mc.max_position_embeddings
