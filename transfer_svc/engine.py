@@ -31,7 +31,13 @@ detected by a per-batch deadline (`timeout_s`) and by error statuses UCX returns
 pending batch of that segment into FAILED, force-closes the endpoint and drops the handle (later
 `submit` on it raises `SegmentClosed`; `open_segment(name)` fetches a fresh descriptor).
 `error_mode="peer"` selects UCX's own peer-failure detection (keepalive, error callback) at the price
-of the sm lanes (useful across hosts, where no sm lane exists anyway).
+of the sm lanes (useful across hosts, where no sm lane exists anyway). Shared-memory (cma) writes
+into a process that died report success, so for an owner on the same host (descriptor host_id) a
+batch counts as COMPLETED only if the owner's pid (with its start time) is still alive afterwards.
+
+Metrics (halfmoon/metrics.py, sender side, WRITE batches only): halfmoon_transfer_bytes_total,
+halfmoon_transfer_batch_seconds (submit -> remote completion), halfmoon_transfer_failures_total
+{reason}. halfmoon_transfer_pages_total is counted by the caller (it knows what a page is).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from halfmoon import metrics
 from protos import registry_pb2
 from transfer_svc import ucp
 from transfer_svc.digest import descriptor_digest
@@ -158,6 +165,8 @@ class _Batch:
     state: State = State.PENDING
     done: int = 0
     reason: str = ""
+    kind: str = "write"  # "write" | "read" | "notify"
+    started: float = 0.0
     request: int = 0   # pending ucp request (flush or am send)
     keep: object = None  # buffers that must outlive the request
     event: threading.Event = field(default_factory=threading.Event)
@@ -185,6 +194,20 @@ def pid_start_ticks(pid: int) -> int | None:
     if rest[0] in (b"Z", b"X"):
         return None
     return int(rest[19])
+
+
+def _failure_label(reason: str) -> str:
+    """Map a failure reason to halfmoon_transfer_failures_total's `reason` label."""
+    r = reason.lower()
+    if "timed out" in r:
+        return "timeout"
+    if "closed by the user" in r or "engine closed" in r:
+        return "aborted"
+    if any(k in r for k in ("exited", "reset", "unreachable", "connection", "dropped")):
+        return "peer_unreachable"
+    if "ucx" in r:
+        return "remote_error"
+    return "other"
 
 
 def _default_name() -> str:
@@ -465,6 +488,8 @@ class TransferEngine:
             if pid_start_ticks(seg.local_pid) != seg.local_start:
                 state, reason = State.FAILED, f"owner process {seg.local_pid} of segment " \
                                               f"{seg.name!r} exited"
+                if b.kind == "write":
+                    metrics.TRANSFER_FAILURES.labels(reason="peer_unreachable").inc()
                 b.state = State.FAILED
                 b.reason = reason
                 b.keep = None
@@ -473,6 +498,12 @@ class TransferEngine:
                 return
         if state is State.COMPLETED:
             b.done = b.total
+        if b.kind == "write":  # counted on the sender (halfmoon/metrics.py, transfer group)
+            if state is State.COMPLETED:
+                metrics.TRANSFER_BYTES.inc(b.total)
+                metrics.TRANSFER_BATCH_SECONDS.observe(time.monotonic() - b.started)
+            else:
+                metrics.TRANSFER_FAILURES.labels(reason=_failure_label(reason)).inc()
         b.reason = reason
         b.keep = None
         b.state = state
@@ -752,7 +783,8 @@ class TransferEngine:
         with self._lock:
             bid = self._next_bid
             self._next_bid += 1
-            b = _Batch(bid, seg, total, time.monotonic() + t)
+            now = time.monotonic()
+            b = _Batch(bid, seg, total, now + t, started=now)
             b.timeout = t
             self._batches[bid] = b
             if len(self._batches) > _MAX_KEPT_BATCHES:
@@ -801,6 +833,7 @@ class TransferEngine:
                 ops.append((laddr, raddr, n, lreg.memh, rreg))
         b = self._new_batch(seg, total, timeout_s)
         b.nops = len(ops)
+        b.kind = "write" if op is Op.WRITE else "read"
         self._post(self._post_batch, b, ops, op)
         return b.bid
 
@@ -888,6 +921,7 @@ class TransferEngine:
         if not seg.alive:
             raise SegmentClosed(f"segment {seg.name!r} was dropped ({seg.failure}); open it again")
         b = self._new_batch(seg, len(payload), timeout_s)
+        b.kind = "notify"
         b.keep = (self.name.encode(), payload)
         self._post(self._queue_notify, b)
         return b.bid

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from halfmoon import metrics
 from transfer_svc.engine import (BoundsError, DescriptorError, Op, SegmentClosed, State,
                                  TransferEngine)
 from transfer_svc.peer import PeerProcess, fill_bytes
@@ -70,6 +71,9 @@ def test_scattered_writes_into_permuted_layout(tl, peers, engine_factory):
     eng.register_memory(src.ctypes.data, src.nbytes)
     peer = peers("target", tl)
     seg = eng.open_segment(peer.descriptor)
+    reg = metrics.build_registry(groups=["transfer"])
+    bytes_before = reg.get_sample_value("halfmoon_transfer_bytes_total")
+    batches_before = reg.get_sample_value("halfmoon_transfer_batch_seconds_count")
     rng = np.random.default_rng(7)
     src_slots = rng.permutation(REGION // CHUNK)[:512]
     dst_slots = rng.permutation(REGION // CHUNK)[:512]
@@ -79,6 +83,8 @@ def test_scattered_writes_into_permuted_layout(tl, peers, engine_factory):
     st = eng.wait(bid)
     assert st.state is State.COMPLETED, st
     assert st.bytes_done == st.bytes_total == 512 * CHUNK
+    assert reg.get_sample_value("halfmoon_transfer_bytes_total") - bytes_before == 512 * CHUNK
+    assert reg.get_sample_value("halfmoon_transfer_batch_seconds_count") - batches_before == 1
 
     expected = np.zeros(REGION, dtype=np.uint8)
     for s, d in zip(src_slots, dst_slots):
@@ -149,6 +155,9 @@ def test_peer_killed_mid_batch_fails_and_survivor_continues(tl, peers, engine_fa
     # 2 GiB in 16384 writes: long enough to be in flight when the SIGKILL lands
     descs = [(src.ctypes.data + (i % 1024) * CHUNK, victim.base + ((i * 7) % 1024) * CHUNK, CHUNK)
              for i in range(16384)]
+    reg = metrics.build_registry(groups=["transfer"])
+    labels = {"reason": "peer_unreachable"}
+    failed_before = reg.get_sample_value("halfmoon_transfer_failures_total", labels)
     bid = eng.submit(seg, descs, coalesce=False)
     time.sleep(0.02)
     assert eng.status(bid).state is State.PENDING
@@ -159,6 +168,7 @@ def test_peer_killed_mid_batch_fails_and_survivor_continues(tl, peers, engine_fa
     assert st.state is State.FAILED, st
     assert elapsed < 5.0 + 1.0
     assert st.reason
+    assert reg.get_sample_value("halfmoon_transfer_failures_total", labels) - failed_before == 1
     with pytest.raises(SegmentClosed):
         eng.submit(seg, descs[:1])
 
@@ -188,6 +198,8 @@ def test_stopped_peer_times_out_over_tcp(peers, engine_factory):
         st = eng.wait(bid)
         elapsed = time.monotonic() - t0
         assert st.state is State.FAILED and "timed out" in st.reason, st
+        assert metrics.build_registry(groups=["transfer"]).get_sample_value(
+            "halfmoon_transfer_failures_total", {"reason": "timeout"}) >= 1
         assert 1.0 < elapsed < 1.5 + 1.0
         assert not seg.alive
     finally:
