@@ -3,7 +3,8 @@
 Read from the endpoints JSON that ``halfmoon up`` writes (a file, or the JSON line it prints), and
 overridden by explicit flags. The reader is tolerant of the exact layout: the router address is the
 first of ``router_grpc`` / ``router`` / ``grpc`` found (a ``host:port`` string, or a dict holding
-one of those keys), the OpenAI URL the first of ``openai_url`` / ``openai`` / ``http``, and metrics
+one of those keys), the OpenAI URL the first of ``openai_url`` / ``openai`` / ``http`` (at the top
+or inside the ``router`` entry), and metrics
 URLs are every string found under a key containing ``metrics`` anywhere in the document (of the
 prefill and decode workers; the router's and registry's are kept too — their counters never
 overlap the KV metrics, see :mod:`halfmoon.metrics`).
@@ -68,7 +69,8 @@ def normalize_metrics_url(url: str) -> str:
 
 def parse(doc: dict[str, Any]) -> Endpoints:
     """Endpoints from a parsed endpoints JSON document."""
-    openai_url = _first(doc, _OPENAI_KEYS)
+    openai_url = _first(doc, _OPENAI_KEYS) or (_first(doc.get("router"), _OPENAI_KEYS)
+                                                if isinstance(doc, dict) else None)
     if openai_url and "://" not in openai_url:
         openai_url = "http://" + openai_url
     if openai_url and not openai_url.rstrip("/").endswith("/v1"):

@@ -45,6 +45,12 @@ class LoadResult:
         return max(0.0, self.t1 - self.t0)
 
 
+def arrival_gaps(rate: float, n: int, seed: int) -> list[float]:
+    """``n`` Poisson inter-arrival gaps (seconds): exponential with mean ``1 / rate``, seeded."""
+    rng = random.Random(seed)
+    return [rng.expovariate(rate) for _ in range(n)]
+
+
 class _Run:
     def __init__(self, target: Target, max_requests: int | None, duration_s: float | None, progress):
         self.target = target
@@ -119,7 +125,7 @@ async def run_load(target: Target, sessions: Sequence[Session], *, concurrency: 
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     else:
-        rng = random.Random(seed)
+        gaps = arrival_gaps(request_rate, len(sessions), seed)
         sem = asyncio.Semaphore(concurrency) if concurrency else None
 
         async def limited(s: Session) -> None:
@@ -130,11 +136,11 @@ async def run_load(target: Target, sessions: Sequence[Session], *, concurrency: 
                 await run.session(s)
 
         tasks = []
-        for s in sessions:
+        for s, gap in zip(sessions, gaps):
             if run.exhausted():
                 break
             tasks.append(asyncio.create_task(limited(s)))
-            await asyncio.sleep(rng.expovariate(request_rate))
+            await asyncio.sleep(gap)
         await asyncio.gather(*tasks)
     t1 = max((r.end for r in run.records), default=run.t0)
     t0 = min((r.start for r in run.records), default=run.t0)
