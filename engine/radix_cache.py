@@ -211,7 +211,8 @@ class RadixCache:
             it did not get from ``match_prefix``). Slots from that length up to the page-aligned
             length now belong to the tree.
         Raises:
-            ValueError: length mismatch, wrong dtype/shape, or slots not forming whole pages.
+            ValueError: length mismatch, wrong dtype/shape, slots not forming whole pages, or a
+                negative token id; the tree is untouched when it raises.
         """
         key = self._as_list(tokens)
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype != torch.int64:
@@ -220,10 +221,13 @@ class RadixCache:
             raise ValueError(f"slots has {slots.numel()} entries for {len(key)} tokens")
         ps = self.page_size
         n = len(key) // ps * ps
+        if n:  # validate before touching the tree
+            self._check_pages(slots[:n])
+            if min(key[:n]) < 0:
+                raise ValueError("token ids must be non-negative")
         node, pos = self._walk(key, n, split=True)
         if pos < n:
             new_slots = slots[pos:n].to("cpu", copy=True)
-            self._check_pages(new_slots)
             parent_hash = node.hashes[-1] if node is not self.root else self.seed
             hashes = []
             h = parent_hash
@@ -453,7 +457,7 @@ class RadixCache:
 
     def _check_pages(self, slots: torch.Tensor) -> None:
         ps = self.page_size
-        pages = slots.view(-1, ps)
+        pages = slots.reshape(-1, ps)
         if not bool((pages[:, 0] % ps == 0).all()) or not bool(
                 (pages == pages[:, :1] + torch.arange(ps)).all()):
             raise ValueError("slots of a page-aligned prefix must be whole pages "

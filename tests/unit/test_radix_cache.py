@@ -177,11 +177,15 @@ def test_insert_rejects_bad_slots_and_changes_nothing():
         (seq(8, 50), torch.arange(7, dtype=torch.int64) + 16),  # length
         (seq(8, 50), torch.arange(8, dtype=torch.int64) + 18),  # not page-aligned
         (seq(8, 50), torch.tensor([16, 17, 18, 19, 24, 26, 25, 27])),  # page not whole
+        # sharing the cached first page: must fail before the walk splits or touches anything
+        (seq(4) + [-1] * 4, torch.arange(8, dtype=torch.int64) + 16),  # negative token id
+        (seq(4) + [5] * 4, torch.tensor([16, 17, 18, 19, 24, 26, 25, 27])),
     ]
     for toks, slots in bad:
         with pytest.raises(ValueError):
             f.cache.insert(toks, slots)
     assert f.check(idle=True) == before
+    assert f.cache._clock == 2  # no walk happened for the rejected inserts
     with pytest.raises(ValueError):
         RadixCache(0, f.alloc)
     with pytest.raises(ValueError):
