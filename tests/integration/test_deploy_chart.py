@@ -114,8 +114,10 @@ def test_workers_register_with_pod_ip_and_grpc_probes():
         args = c["args"]
         assert args[0] == f"serve-{role}"
         flags = dict(zip(args[1::2], args[2::2]))
-        assert flags == {"--model": "smollm2-135m-instruct", "--port": str(port), "--metrics-port": "9400",
-                         "--registry": registry, "--advertise-host": "$(POD_IP)", "--worker-id": "$(POD_NAME)"}
+        assert flags == {"--model": "smollm2-135m-instruct", "--host": "0.0.0.0", "--port": str(port),
+                         "--metrics-port": "9400", "--registry": registry, "--advertise-host": "$(POD_IP)",
+                         "--worker-id": "$(POD_NAME)", "--device": "cpu", "--transport": "tcp",
+                         "--page-size": "16"}
         env = {e["name"]: e for e in c["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -129,11 +131,16 @@ def test_workers_register_with_pod_ip_and_grpc_probes():
     router = _by(docs, "Deployment", "hm-halfmoon-router")["spec"]["template"]["spec"]["containers"][0]
     assert router["args"][:1] == ["serve-router"]
     flags = dict(zip(router["args"][1::2], router["args"][2::2]))
-    assert flags == {"--port": "50051", "--http-port": "8000", "--metrics-port": "9400", "--registry": registry}
+    assert flags == {"--model": "smollm2-135m-instruct", "--host": "0.0.0.0", "--port": "50051",
+                     "--http-port": "8000", "--metrics-port": "9400", "--registry": registry,
+                     "--prefill-policy": "cache_aware", "--decode-policy": "cache_aware", "--page-size": "16"}
+    # NOT_SERVING while no worker pair is healthy must not restart the router: liveness is a TCP check
+    assert router["livenessProbe"]["tcpSocket"]["port"] == 50051
+    assert router["readinessProbe"]["grpc"]["port"] == 50051
     reg = _by(docs, "Deployment", "hm-halfmoon-registry")
     assert reg["spec"]["replicas"] == 1 and reg["spec"]["strategy"]["type"] == "Recreate"
     assert reg["spec"]["template"]["spec"]["containers"][0]["args"] == [
-        "serve-transfer", "--port", "50050", "--metrics-port", "9400"]
+        "serve-transfer", "--host", "0.0.0.0", "--port", "50050", "--metrics-port", "9400"]
     cm = _by(docs, "ConfigMap", "hm-halfmoon")
     assert cm["data"]["HALFMOON_METRICS_HOST"] == "0.0.0.0"
 
@@ -146,6 +153,8 @@ def test_gpu_values_request_gpus_and_cuda_image():
         c = spec["template"]["spec"]["containers"][0]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert c["image"] == "halfmoon:0.1.0-cuda"
+        flags = dict(zip(c["args"][1::2], c["args"][2::2]))
+        assert flags["--device"] == "cuda" and "cuda_ipc" in flags["--transport"]
         hpa = _by(docs, "HorizontalPodAutoscaler", f"hm-halfmoon-{role}")
         assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"].startswith(f"halfmoon_{role}_")
     router = _by(docs, "Deployment", "hm-halfmoon-router")["spec"]["template"]["spec"]["containers"][0]
@@ -178,3 +187,39 @@ def test_default_image_is_built_by_the_dockerfiles():
         text = (ROOT / "deploy" / "docker" / name).read_text()
         assert f"halfmoon:<version>-{variant}" in text, f"{name} must document the tag the chart uses"
         assert 'ENTRYPOINT ["halfmoon"]' in text
+
+
+_PARSE_ARGS = """
+import argparse, json, sys
+from halfmoon.cli import COMMANDS
+import importlib
+errors = {}
+for argv in json.loads(sys.stdin.read()):
+    mod = importlib.import_module(COMMANDS[argv[0]][0])
+    parser = argparse.ArgumentParser(prog=argv[0], exit_on_error=False)
+    mod.add_arguments(parser)
+    try:
+        ns, unknown = parser.parse_known_args(argv[1:])
+        if unknown:
+            errors[argv[0]] = f"unknown arguments {unknown}"
+    except (argparse.ArgumentError, SystemExit) as exc:
+        errors[argv[0]] = repr(exc)
+print(json.dumps(errors))
+"""
+
+
+def test_chart_args_parse_with_the_real_cli():
+    """Every container's args (GPU values, all options on) are accepted by that subcommand's parser."""
+    docs = _render("-f", str(GPU_VALUES)) + _render()
+    argvs = []
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        spec = d["spec"]["template"]["spec"]
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            argvs.append([a.replace("$(POD_IP)", "10.1.2.3").replace("$(POD_NAME)", "pod-0") for a in c["args"]])
+    assert {a[0] for a in argvs} == {"serve-transfer", "serve-router", "serve-prefill", "serve-decode", "models"}
+    proc = subprocess.run([sys.executable, "-c", _PARSE_ARGS], input=json.dumps(argvs), cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {}

@@ -63,6 +63,8 @@ A component's Deployment. Arguments (dict):
   grpcPort   the port serving grpc.health.v1 (probes)
   model      true when the component loads the model (init container pulls it)
   gpus       nvidia.com/gpu count (0: none)
+  livenessTcp  liveness by TCP connect instead of gRPC health (the router reports NOT_SERVING while it
+             knows no healthy worker pair: that must not restart it)
   strategy   Deployment strategy type (RollingUpdate | Recreate)
 */}}
 {{- define "halfmoon.deployment" -}}
@@ -158,7 +160,11 @@ spec:
             periodSeconds: {{ $root.Values.probes.startup.periodSeconds }}
             failureThreshold: {{ $root.Values.probes.startup.failureThreshold }}
           livenessProbe:
+            {{- if .livenessTcp }}
+            tcpSocket: {port: {{ .grpcPort }}}
+            {{- else }}
             grpc: {port: {{ .grpcPort }}}
+            {{- end }}
             periodSeconds: {{ $root.Values.probes.liveness.periodSeconds }}
             failureThreshold: {{ $root.Values.probes.liveness.failureThreshold }}
           readinessProbe:
