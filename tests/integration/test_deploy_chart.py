@@ -180,15 +180,6 @@ def test_monitoring_objects_carry_the_repo_rules_and_dashboard():
             f"{CHART / copy_} differs from {canonical}: run deploy/grafana/build_dashboard.py / copy rules.yaml")
 
 
-def test_default_image_is_built_by_the_dockerfiles():
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["image"]["repository"] == "halfmoon" and values["image"]["variant"] == "cpu"
-    for variant, name in (("cpu", "Dockerfile"), ("cuda", "Dockerfile.cuda")):
-        text = (ROOT / "deploy" / "docker" / name).read_text()
-        assert f"halfmoon:<version>-{variant}" in text, f"{name} must document the tag the chart uses"
-        assert 'ENTRYPOINT ["halfmoon"]' in text
-
-
 _PARSE_ARGS = """
 import argparse, json, sys
 from halfmoon.cli import COMMANDS
