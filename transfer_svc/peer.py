@@ -1,6 +1,7 @@
 """A standalone transfer-engine peer process, driven by JSON lines on stdin (tests and bench/transfer.py).
 
     python -m transfer_svc.peer --name b --transports tcp --size 134217728 [--fill-seed 3]
+                                [--device cuda:0]
 
 Registers one host buffer of `--size` bytes, prints `{"descriptor": <base64 SegmentDescriptor>,
 "base": <addr>}`, then answers one JSON line per command:
@@ -45,14 +46,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--registry", default=None, help="publish the segment in this registry")
     p.add_argument("--role", default="decode")
     p.add_argument("--ttl", type=int, default=10)
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (the buffer lives there)")
     args = p.parse_args(argv)
-    buf = np.zeros(args.size, dtype=np.uint8)
+    host = np.zeros(args.size, dtype=np.uint8)
     if args.fill_seed is not None:
-        fill_bytes(buf, args.fill_seed)
+        fill_bytes(host, args.fill_seed)
+    dev = None
+    if args.device != "cpu":
+        import torch
+
+        dev = torch.from_numpy(host).to(args.device)
+        torch.cuda.synchronize()
+    buf = host
+
+    def snapshot() -> np.ndarray:
+        """The buffer's current bytes as host memory."""
+        if dev is None:
+            return buf
+        import torch
+
+        torch.cuda.synchronize()
+        return dev.cpu().numpy()
     eng = TransferEngine(args.name, transports=args.transports, timeout_s=args.timeout,
                          spin_s=args.spin)
-    base = buf.ctypes.data
-    eng.register_memory(base, buf.nbytes, "cpu")
+    base = buf.ctypes.data if dev is None else dev.data_ptr()
+    eng.register_memory(base, args.size, args.device)
     segs = {}
 
     def reply(obj) -> None:
@@ -75,9 +93,12 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if cmd == "sha256":
                 o, n = c["offset"], c["length"]
-                reply({"sha256": hashlib.sha256(buf[o:o + n].tobytes()).hexdigest()})
+                reply({"sha256": hashlib.sha256(snapshot()[o:o + n].tobytes()).hexdigest()})
             elif cmd == "fill":
                 fill_bytes(buf, c["seed"])
+                if dev is not None:
+                    dev.copy_(torch.from_numpy(buf))
+                    torch.cuda.synchronize()
                 reply({"ok": True})
             elif cmd == "open":
                 if "descriptor" in c:
@@ -122,12 +143,13 @@ class PeerProcess:
 
     def __init__(self, name: str, *, size: int, transports: str | None = None,
                  fill_seed: int | None = None, timeout_s: float = 10.0, registry: str | None = None,
-                 role: str = "decode", ttl: int = 10, start_timeout: float = 60.0):
+                 role: str = "decode", ttl: int = 10, start_timeout: float = 60.0,
+                 device: str = "cpu"):
         import os
         import subprocess
 
         cmd = [sys.executable, "-m", "transfer_svc.peer", "--name", name, "--size", str(size),
-               "--timeout", str(timeout_s), "--role", role, "--ttl", str(ttl)]
+               "--timeout", str(timeout_s), "--role", role, "--ttl", str(ttl), "--device", device]
         if transports:
             cmd += ["--transports", transports]
         if fill_seed is not None:
