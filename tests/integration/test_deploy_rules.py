@@ -33,6 +33,11 @@ def test_check_rules():
     assert f"SUCCESS: {n} rules found" in proc.stdout
 
 
+def test_local_prometheus_config_is_valid():
+    proc = _promtool_run("check", "config", "prometheus-local.yml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_rule_unit_tests():
     proc = _promtool_run("test", "rules", "rules_test.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -31,6 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "halfmoon-dashboard.json"
 RULES = ROOT / "deploy" / "prometheus" / "rules.yaml"
+LOCAL_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus-local.yml"
 
 # Panels whose every query must show a finite value > 0 once traffic has flowed.
 MUST_BE_POSITIVE = {
@@ -113,12 +114,14 @@ def prometheus(stack, tmp_path_factory):
     targets = {"router": [stack["router"]["metrics"]], "registry": [stack["registry"]["metrics"]],
                "prefill": [w["metrics"] for w in stack["prefill"]],
                "decode": [w["metrics"] for w in stack["decode"]]}
-    config = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": f"halfmoon-{role}", "static_configs": [{"targets": addrs}]}
-                           for role, addrs in targets.items()],
-    }
+    # The repo's example config, with the stack's actual ports and a 1 s cadence.
+    config = yaml.safe_load(LOCAL_CONFIG.read_text())
+    config["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(RULES)]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {f"halfmoon-{role}" for role in targets}
+    for role, addrs in targets.items():
+        jobs[f"halfmoon-{role}"]["static_configs"] = [{"targets": addrs}]
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = _free_port()
     log = open(tmp / "prometheus.log", "wb")
@@ -207,3 +210,19 @@ def test_every_dashboard_query_returns_series(stack, prometheus):
     info = _query(prometheus, "halfmoon_worker_info")
     assert {(s["metric"]["job"], s["metric"]["role"]) for s in info} == {
         (f"halfmoon-{r}", r) for r in ("router", "registry", "prefill", "decode")}
+
+
+def test_worker_down_alert_goes_pending(stack, prometheus):
+    """SIGKILL the decode worker: its target goes down and HalfmoonWorkerDown turns pending for it
+    (it fires after its `for: 1m`, which promtool's rules_test.yaml covers)."""
+    decode = stack["decode"][0]
+    os.kill(decode["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:
+        alerts = _get_json(f"{prometheus}/api/v1/alerts")["data"]["alerts"]
+        down = [a for a in alerts if a["labels"]["alertname"] == "HalfmoonWorkerDown"]
+        if down or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert [(a["labels"]["job"], a["labels"]["instance"], a["state"]) for a in down] == [
+        ("halfmoon-decode", decode["metrics"], "pending")]
