@@ -35,7 +35,14 @@ class ReqToTokenPool:
         self._free.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """``req_to_token[row, start : start + len(slots)] = slots`` (int64 [N])."""
+        """``req_to_token[row, start : start + len(slots)] = slots`` (int64 [N]).
+
+        Raises ValueError for a row outside the pool or a range past ``max_context``.
+        """
+        if not isinstance(row, int) or not 0 <= row < self.size:
+            raise ValueError(f"request row {row!r} outside [0, {self.size})")
+        if start < 0 or start + slots.numel() > self.max_context:
+            raise ValueError(f"positions [{start}, {start + slots.numel()}) outside the row (max_context {self.max_context})")
         self.req_to_token[row, start : start + slots.numel()] = slots.to(self.device)
 
     def slots(self, row: int, start: int, end: int) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""Page allocator, request-row pool and KV pool: random alloc/free sequences keep free + used =
+total, slots keep offset = position % page_size, buffers expose the layout the transfer engine uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.config import parse_bytes
+from engine.kv_pool import KVPool, pages_for_budget
+from engine.page_allocator import PageAllocator
+from engine.req_to_token_pool import ReqToTokenPool
+
+
+@settings(max_examples=60, deadline=None)
+@given(ps=st.sampled_from([1, 4, 16]), num_pages=st.integers(1, 40),
+       ops=st.lists(st.tuples(st.booleans(), st.integers(0, 12), st.integers(0, 1000)), max_size=60))
+def test_allocator_random_sequences(ps, num_pages, ops):
+    a = PageAllocator(num_pages, ps)
+    held: list[list[int]] = []
+    for is_alloc, n, pick in ops:
+        if is_alloc:
+            got = a.alloc(n)
+            if n > a.num_free + (len(got) if got else 0):
+                assert got is None
+            else:
+                assert got is not None and len(got) == n
+                held.append(got)
+        elif held:
+            a.free(held.pop(pick % len(held)))
+        owned = [p for h in held for p in h]
+        assert len(set(owned)) == len(owned)  # never handed out twice
+        assert a.num_free + a.num_used == num_pages
+        assert a.num_used == len(owned)
+    for h in held:
+        a.free(h)
+    assert a.num_free == num_pages
+
+
+@settings(max_examples=60, deadline=None)
+@given(ps=st.sampled_from([1, 4, 16]), steps=st.lists(st.integers(1, 20), min_size=1, max_size=12))
+def test_alloc_slots_growth_keeps_offsets(ps, steps):
+    a = PageAllocator(64, ps)
+    row: list[int] = []
+    for n in steps:
+        s = a.alloc_slots(len(row), len(row) + n, row[-1] if row else None)
+        if s is None:
+            assert a.pages_needed(len(row), len(row) + n) > a.num_free
+            break
+        row += s.tolist()
+    pos = torch.arange(len(row))
+    slots = torch.tensor(row, dtype=torch.int64)
+    assert bool((slots % ps == pos % ps).all())  # position p at offset p % page_size
+    assert len(set(row)) == len(row)
+    assert a.num_used == -(-len(row) // ps)
+    a.free_slots(slots)
+    assert a.num_free == 64
+
+
+def test_allocator_errors():
+    a = PageAllocator(4, 2)
+    p = a.alloc(2)
+    a.free(p)
+    with pytest.raises(ValueError):
+        a.free(p)  # double free
+    with pytest.raises(ValueError):
+        a.free([7])
+    assert a.alloc(5) is None and a.num_free == 4
+    with pytest.raises(ValueError):
+        a.free([0, 0])  # duplicate in one call frees nothing
+    assert a.num_free == 4
+
+
+def test_req_to_token_pool():
+    r = ReqToTokenPool(2, 8)
+    a, b = r.alloc(), r.alloc()
+    assert r.alloc() is None and r.num_used == 2
+    r.write(a, 2, torch.tensor([5, 6, 7]))
+    assert r.slots(a, 2, 5).tolist() == [5, 6, 7]
+    with pytest.raises(ValueError):
+        r.write(a, 6, torch.tensor([1, 2, 3]))  # past max_context
+    r.free(a)
+    with pytest.raises(ValueError):
+        r.free(a)
+    r.free(b)
+    assert r.num_free == 2
+
+
+def test_kv_pool_layout():
+    pool = KVPool(num_pages=5, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    bufs = pool.buffers()
+    assert len(bufs) == 6 and bufs[0] is pool.k_buffers[0] and bufs[1] is pool.v_buffers[0]
+    assert all(b.is_contiguous() and b.shape == (20, 2, 8) for b in bufs)
+    assert pool.page_bytes == 4 * 2 * 8 * 4
+    assert pool.total_bytes == 6 * 5 * pool.page_bytes
+    # page p of buffer b is the byte range [ptr + p*page_bytes, + page_bytes)
+    k = torch.randn(4, 2, 8)
+    pool.write(1, torch.arange(12, 16), k, -k)
+    page3 = bufs[2].view(-1).view(torch.uint8)[3 * pool.page_bytes:4 * pool.page_bytes]
+    assert torch.equal(page3.view(torch.float32).view(4, 2, 8), k)
+    assert torch.equal(pool.v_buffers[1][12:16], -k)
+
+
+def test_pages_for_budget():
+    kw = dict(page_size=16, num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
+    per_page = 2 * 30 * 16 * 3 * 64 * 4
+    assert pages_for_budget(10 * per_page + 5, **kw) == 10
+    assert pages_for_budget("1GiB", **kw) == (1 << 30) // per_page
+    assert pages_for_budget(0.01, **kw) >= 1
+    with pytest.raises(ValueError):
+        pages_for_budget(100, **kw)
+    assert parse_bytes("512MB") == 512 * 10**6 and parse_bytes("0.5") == 0.5 and parse_bytes("1024") == 1024
