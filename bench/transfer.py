@@ -238,7 +238,8 @@ def run_initiator(engine: str, target: dict) -> None:
 
 class Proc:
     def __init__(self, args: list[str], env: dict[str, str]):
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env)
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
         self.p = subprocess.Popen([sys.executable, "-m", "bench.transfer", *args], cwd=ROOT,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                   env=full_env)
