@@ -22,8 +22,8 @@ Workloads (bytes moved per run in brackets):
 
 Engines:
   halfmoon-sm / halfmoon-tcp   transfer_svc.engine over UCX `sm` (cma zero-copy) / `tcp`
-  halfmoon-sm-peer             the same with UCX error-handling mode PEER (not in the default list:
-                               it shows what that mode costs on shared memory)
+  halfmoon-sm-peer             UCX_TLS=sm,tcp with UCX error-handling mode PEER (not in the default
+                               list: it shows what that mode costs on one host)
   nixl-tcp / nixl-sm           NIXL (nixl-cu12, UCX backend, progress thread on); UCX_TLS=tcp or
                                sm,tcp (NIXL does not connect with sm alone); 8 MiB socket buffers
   mooncake-tcp                 Mooncake transfer engine (P2PHANDSHAKE, tcp), batch_transfer_sync_write
@@ -119,6 +119,12 @@ def _tls_env(engine: str) -> dict[str, str]:
     return env
 
 
+def _halfmoon_args(engine: str) -> dict:
+    if engine.endswith("-peer"):  # UCX error-handling mode PEER: sm alone cannot connect in it
+        return {"transports": "sm,tcp", "error_mode": "peer"}
+    return {"transports": engine.split("-")[1]}
+
+
 def run_target(engine: str) -> None:
     buf = np.zeros(REGION, dtype=np.uint8)
     base = buf.ctypes.data
@@ -126,8 +132,7 @@ def run_target(engine: str) -> None:
     if engine.startswith("halfmoon"):
         from transfer_svc.engine import TransferEngine
 
-        keep = TransferEngine(f"target-{os.getpid()}", transports=engine.split("-")[1],
-                              error_mode="peer" if engine.endswith("-peer") else "none")
+        keep = TransferEngine(f"target-{os.getpid()}", **_halfmoon_args(engine))
         keep.register_memory(base, REGION)
         info = {"descriptor": base64.b64encode(keep.publish().SerializeToString()).decode()}
     elif engine.startswith("nixl"):
@@ -171,8 +176,7 @@ def run_initiator(engine: str, target: dict) -> None:
         from protos import registry_pb2
         from transfer_svc.engine import State, TransferEngine
 
-        eng = TransferEngine(f"init-{os.getpid()}", transports=engine.split("-")[1],
-                             error_mode="peer" if engine.endswith("-peer") else "none")
+        eng = TransferEngine(f"init-{os.getpid()}", **_halfmoon_args(engine))
         eng.register_memory(sbase, REGION)
         seg = eng.open_segment(registry_pb2.SegmentDescriptor.FromString(
             base64.b64decode(target["descriptor"])))

@@ -71,3 +71,19 @@ def test_struct_layouts_match_headers(tmp_path):
 def test_library_version_matches_headers():
     lib = ucp.load()
     assert lib.version[:2] == (1, 22)
+
+
+def test_another_libucp_can_be_chosen(tmp_path):
+    """HALFMOON_LIBUCP points the binding at a given libucp.so (here: the wheel's, by path)."""
+    import subprocess
+    import sys
+
+    path = os.path.join(_include_dir(), "..", "lib", "libucp.so")
+    code = ("from transfer_svc.engine import TransferEngine; from transfer_svc import ucp; "
+            "e = TransferEngine('x', transports='tcp'); print(ucp.load().path); e.close()")
+    env = dict(os.environ, HALFMOON_LIBUCP=os.path.abspath(path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == os.path.abspath(path)
