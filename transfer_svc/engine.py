@@ -46,6 +46,7 @@ import bisect
 import collections
 import ctypes
 import enum
+import logging
 import os
 import select
 import threading
@@ -60,6 +61,8 @@ from protos import registry_pb2
 from transfer_svc import ucp
 from transfer_svc.digest import descriptor_digest
 from transfer_svc.ucp import UCXError
+
+log = logging.getLogger(__name__)
 
 NOTIFY_AM_ID = 17
 _MAX_KEPT_BATCHES = 100_000
@@ -396,15 +399,22 @@ class TransferEngine:
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     if fut is not None:
                         fut.set_exception(e)
+                    else:
+                        log.exception("transfer engine: posted work failed")
+                        if args and isinstance(args[0], _Batch):
+                            self._finish(args[0], State.FAILED, f"internal error: {e!r}")
                 busy = True
             if self._stop:
                 break
             while lib.ucp_worker_progress(worker):
                 busy = True
-            if self._inflight:
-                self._check_inflight()
-            if self._orphans:
-                self._reap_orphans()
+            try:
+                if self._inflight:
+                    self._check_inflight()
+                if self._orphans:
+                    self._reap_orphans()
+            except Exception:  # noqa: BLE001 - keep the progress thread alive
+                log.exception("transfer engine: completion check failed")
             now = time.monotonic()
             if busy:
                 last_activity = now
