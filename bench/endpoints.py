@@ -50,7 +50,7 @@ def _metrics(doc: Any, under_metrics: bool = False) -> list[str]:
     elif isinstance(doc, list):
         for v in doc:
             out += _metrics(v, under_metrics)
-    elif isinstance(doc, str) and under_metrics:
+    elif isinstance(doc, str) and doc and under_metrics:
         out.append(normalize_metrics_url(doc))
     elif isinstance(doc, int) and under_metrics and 0 < doc < 65536:
         out.append(normalize_metrics_url(f"127.0.0.1:{doc}"))
@@ -83,7 +83,8 @@ def parse(doc: dict[str, Any]) -> Endpoints:
 
 
 def load(path: str | Path) -> Endpoints:
-    """Endpoints from a file holding the JSON document (or a log whose last ``{...}`` line is it).
+    """Endpoints from a file holding the JSON document, or a log of ``halfmoon up`` (its last line
+    holding a ``{...}`` object, e.g. ``ENDPOINTS {...}``).
 
     Raises:
         FileNotFoundError: no such file.
@@ -95,6 +96,9 @@ def load(path: str | Path) -> Endpoints:
     except json.JSONDecodeError:
         for line in reversed(text.splitlines()):
             line = line.strip()
-            if line.startswith("{") and line.endswith("}"):
-                return parse(json.loads(line))
+            if "{" in line and line.endswith("}"):
+                try:
+                    return parse(json.loads(line[line.index("{"):]))
+                except json.JSONDecodeError:
+                    continue
     raise ValueError(f"endpoints file {path}: no JSON object found")
