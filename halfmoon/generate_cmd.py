@@ -1,0 +1,76 @@
+"""`halfmoon generate "prompt"`: stream a completion.
+
+``--offline`` runs the co-located engine in this process (no services). Without it the completion
+comes from a running router (``--router HOST:PORT``; the remote path is added by the router side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.engine_args import add_engine_arguments
+
+    parser.add_argument("prompt", help="prompt text (with --chat: the user message)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--offline", action="store_true", help="run the co-located engine in-process")
+    where.add_argument("--router", default=None, help="router gRPC address HOST:PORT (remote mode)")
+    s = parser.add_argument_group("sampling")
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    add_engine_arguments(parser)
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+        stop=list(args.stop), ignore_eos=args.ignore_eos)
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    from engine.engine import Engine
+    from engine.engine_args import engine_config_from_args
+    from engine.errors import InvalidRequestError, ResourceExhaustedError
+
+    try:
+        eng = Engine(config=engine_config_from_args(args))
+        prompt = (eng.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
+                  else args.prompt)
+        last = None
+        for out in eng.stream(prompt, sampling_params_from_args(args)):
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            last = out
+    except (InvalidRequestError, ResourceExhaustedError) as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n")
+    print(f"[{last.finish_reason}; prompt {last.prompt_tokens} tokens, completion "
+          f"{last.completion_tokens} tokens]", file=sys.stderr)
+    return 0
+
+
+def run_remote(args: argparse.Namespace) -> int:
+    print("error: remote generation (--router) is not available in this build yet; use --offline",
+          file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_offline(args) if args.offline else run_remote(args)
