@@ -35,3 +35,19 @@ def test_load_file_or_log_with_a_json_line(tmp_path):
     g.write_text("nothing here\n")
     with pytest.raises(ValueError, match="no JSON"):
         endpoints.load(g)
+
+
+def test_halfmoon_up_layout(tmp_path):
+    """The ENDPOINTS line `halfmoon up` prints (halfmoon/launcher.py), as captured from a real run."""
+    line = ('ENDPOINTS {"router": {"grpc": "127.0.0.1:43509", "http": "127.0.0.1:44893", "metrics": '
+            '"127.0.0.1:45039", "pid": 17337}, "registry": {"grpc": "127.0.0.1:39073", "metrics": "127.0.0.1:42741", '
+            '"pid": 17292}, "prefill": [{"worker_id": "prefill-0", "grpc": "127.0.0.1:40499", "metrics": '
+            '"127.0.0.1:32927", "pid": 17335}], "decode": [{"worker_id": "decode-0", "grpc": "127.0.0.1:37415", '
+            '"metrics": "127.0.0.1:43179", "pid": 17336}], "model": "smollm2-135m-instruct", "log_dir": "/tmp/x", '
+            '"torch_threads": 1}')
+    f = tmp_path / "up.log"
+    f.write_text("halfmoon is up\n  router gRPC 127.0.0.1:43509\n" + line + "\n")
+    ep = endpoints.load(f)
+    assert ep.router == "127.0.0.1:43509"
+    assert ep.openai_url == "http://127.0.0.1:44893/v1"
+    assert ep.metrics_urls == [f"http://127.0.0.1:{p}/metrics" for p in (45039, 42741, 32927, 43179)]
