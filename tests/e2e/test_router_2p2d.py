@@ -1,0 +1,121 @@
+"""The router end to end on 2 prefill + 2 decode workers (real processes, registry discovery,
+cache_aware for both roles): greedy equality across both pairs, shared-prefix follow-ups go to the
+workers that hold the prefix, and a decode worker killed mid-run: its request waiting for the first
+token is retried on the other pair, its request already streaming ends with UNAVAILABLE naming it,
+and new requests keep succeeding."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from protos import common_pb2, router_pb2
+from tests.e2e.conftest import reference_ids, router_stub, running_stack, worker_targets
+from tests.integration.conftest import assert_idle_accounting
+
+MAX_TOKENS = 8
+PREFIX = ("Ships entering the harbour at night followed the lighthouse beam, which swept across the water "
+          "every eight seconds. The keeper trimmed the wick, wound the clockwork and wrote the name of every "
+          "vessel in his logbook, whatever the weather. ") * 2
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with running_stack(tmp_path_factory.mktemp("e2e-2p2d"), prefill=2, decode=2) as st:
+        yield st
+
+
+@pytest.fixture(scope="module")
+def stub(stack):
+    ch, s = router_stub(stack)
+    yield s
+    ch.close()
+
+
+def greedy(max_tokens=MAX_TOKENS, **kw):
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def run(stub, ids, max_tokens=MAX_TOKENS, **kw):
+    resps = list(stub.Generate(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids),
+                                                          sampling=greedy(max_tokens, **kw)), timeout=120))
+    return [t for r in resps for t in r.token_ids], resps[-1]
+
+
+def test_greedy_equal_on_both_pairs(stack, stub, tok):
+    prompts = [tok.encode(f"Story {i}: the {w} walked along the quiet shore and") for i, w in
+               enumerate(["sailor", "child", "keeper", "painter", "fisherman", "baker"])]
+    refs = reference_ids(prompts, MAX_TOKENS)
+    with ThreadPoolExecutor(6) as ex:
+        outs = list(ex.map(lambda p: run(stub, p), prompts))
+    assert [ids for ids, _ in outs] == refs
+    assert {last.decode_worker for _, last in outs} == {"decode-0", "decode-1"}
+    assert {last.prefill_worker for _, last in outs} == {"prefill-0", "prefill-1"}
+    assert_idle_accounting(worker_targets(stack))
+
+
+def test_cache_aware_follows_shared_prefix(stack, stub, tok):
+    base = tok.encode(PREFIX)
+    assert len(base) >= 64
+    _, first = run(stub, base + tok.encode(" Question one: what did he write?"))
+    others = [run(stub, tok.encode(f"Unrelated request number {i} about cooking pasta and"))[1] for i in range(3)]
+    assert {o.decode_worker for o in others} | {first.decode_worker} == {"decode-0", "decode-1"}
+    for q in ("Question two: how often did the beam sweep?", "Question three: what did he wind?"):
+        _, follow = run(stub, base + tok.encode(" " + q))
+        assert (follow.prefill_worker, follow.decode_worker) == (first.prefill_worker, first.decode_worker)
+        # the decode worker already holds the shared pages: only the delta moved, P reused its cache
+        assert follow.usage.decode_prefix_tokens >= 48 and follow.usage.cached_tokens >= 48
+
+
+def test_decode_worker_killed(stack, stub, tok):
+    base = tok.encode(PREFIX + " Now a long story about the keeper's daughter:")
+    follow_ids = base + tok.encode(" She")
+    ref = reference_ids([follow_ids], MAX_TOKENS)[0]
+    _, warm = run(stub, base)                        # teaches the router where the prefix lives
+    victim = warm.decode_worker
+    survivor = ({"decode-0", "decode-1"} - {victim}).pop()
+    proc = next(p for p in stack.procs if p.name == victim)
+
+    # (1) a request already streaming on the victim
+    streaming = stub.Generate(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=base + [11]),
+                                                         sampling=greedy(400, ignore_eos=True)), timeout=120)
+    head = next(streaming)
+    while not head.token_ids:
+        head = next(streaming)
+    assert head.decode_worker == victim
+
+    # (2) a request that reaches the victim but will never get its first token from it
+    # frozen: the router still sees it healthy for ~2 s (its health check has to time out first)
+    os.kill(proc.popen.pid, signal.SIGSTOP)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=run(stub, follow_ids)))
+    t.start()
+    time.sleep(0.8)
+    os.kill(proc.popen.pid, signal.SIGKILL)
+    proc.popen.wait(10)
+    t.join(120)
+    ids, last = result["out"]
+    assert ids == ref                                 # retried on the other pair, same greedy tokens
+    assert last.decode_worker == survivor and last.usage.retries == 1
+
+    with pytest.raises(grpc.RpcError) as ei:
+        for _ in streaming:
+            pass
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert victim in ei.value.details() and "after" in ei.value.details()
+
+    # (3) new requests keep succeeding, on the survivor
+    deadline = time.monotonic() + 10
+    while any(w.healthy for w in stub.ListWorkers(router_pb2.ListWorkersRequest()).workers
+              if w.worker_id == victim) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for i in range(4):
+        ids, last = run(stub, tok.encode(f"After the storm, number {i}, the sea was"))
+        assert len(ids) == MAX_TOKENS and last.decode_worker == survivor
+    assert_idle_accounting(worker_targets(stack))
