@@ -22,6 +22,8 @@ def endpoints_file() -> Path:
 
     if not model_available():
         pytest.skip(f"model {MODEL} is not pulled (run `halfmoon models pull {MODEL}`)")
+    if "error" in _state:  # started once and failed: fail fast, with the same reason
+        raise RuntimeError(f"the shared live stack failed to start: {_state['error']}")
     if "file" not in _state:
         from halfmoon.launcher import Stack, StackConfig
 
@@ -29,7 +31,12 @@ def endpoints_file() -> Path:
         stack = Stack(StackConfig(model=MODEL, base_port=0, log_dir=str(tmp / "logs"), kv_memory_mb=128.0,
                                   ready_timeout=240.0))
         atexit.register(stack.stop)
-        ep = stack.start()
+        try:
+            ep = stack.start()
+        except Exception as e:
+            _state["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
+            stack.stop()
+            raise
         f = tmp / "endpoints.json"
         f.write_text(json.dumps(ep))
         _state.update(stack=stack, file=f, endpoints=ep)
