@@ -67,9 +67,43 @@ def run_offline(args: argparse.Namespace) -> int:
 
 
 def run_remote(args: argparse.Namespace) -> int:
-    print("error: remote generation (--router) is not available in this build yet; use --offline",
-          file=sys.stderr)
-    return 2
+    """Stream from a running router's gRPC ``Router.Generate`` (``--router``, else ``$HALFMOON_ROUTER``,
+    else 127.0.0.1:50050, where ``halfmoon up`` puts it). Exit 2 on INVALID_ARGUMENT, 1 on other errors."""
+    import os
+
+    import grpc
+
+    from protos import common_pb2, router_pb2, router_pb2_grpc
+
+    address = args.router or os.environ.get("HALFMOON_ROUTER", "127.0.0.1:50050")
+    sp = common_pb2.SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+        stop=list(args.stop), ignore_eos=args.ignore_eos)
+    if args.seed is not None:
+        sp.seed = args.seed
+    req = router_pb2.GenerateRequest(sampling=sp)
+    if args.chat:
+        req.chat.messages.add(role="user", content=args.prompt)
+    else:
+        req.text = args.prompt
+    last = None
+    try:
+        with grpc.insecure_channel(address) as ch:
+            for resp in router_pb2_grpc.RouterStub(ch).Generate(req, timeout=600):
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+                last = resp
+    except grpc.RpcError as e:
+        print(f"\nerror: {e.code().name}: {e.details()} (router {address})", file=sys.stderr)
+        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    sys.stdout.write("\n")
+    u = last.usage
+    print(f"[{last.finish_reason}; prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), completion "
+          f"{u.completion_tokens} tokens; {last.prefill_worker} -> {last.decode_worker}, "
+          f"{u.kv_pages_transferred} KV pages moved]", file=sys.stderr)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
