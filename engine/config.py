@@ -153,8 +153,11 @@ class EngineConfig:
     disable_radix_cache: bool = False
     torch_threads: int | None = None
     workers_on_host: int = 1
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "auto" (flashinfer on CUDA bf16/fp16, else torch) | "torch" | "flashinfer"
     seed: int = 0  # dummy weights
+    cuda_graph: bool = True  # capture decode batches in CUDA graphs (CUDA + flashinfer only)
+    cuda_graph_max_bs: int | None = None  # largest captured decode batch (default max_running_requests)
+    fused_ops: bool = True  # fused qkv/gate_up GEMMs + flashinfer norm/rope/silu (CUDA bf16/fp16 only)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -13,6 +13,8 @@ seq_lens           int64 [B]       tokens per request after this forward (prefix
 prefix_lens        int64 [B]       tokens whose K/V are already in the pool (``pre_len``)
 extend_lens        int64 [B]       new tokens per request (decode: all 1); sum == T
 out_cache_loc      int64 [T]       slots to write the new tokens' K/V into
+seq_lens_cpu       int64 [B] (CPU) host copy of ``seq_lens`` (GPU backends plan from it, no sync)
+extend_lens_cpu    int64 [B] (CPU) host copy of ``extend_lens``
 =================  ==============  ==================================================================
 
 Rows of ``req_to_token`` must already hold ``out_cache_loc`` at positions ``[prefix_len, seq_len)``
@@ -44,6 +46,14 @@ class ForwardBatch:
     prefix_lens: torch.Tensor
     extend_lens: torch.Tensor
     out_cache_loc: torch.Tensor
+    seq_lens_cpu: torch.Tensor | None = None  # None: backends copy seq_lens to the host (a sync)
+    extend_lens_cpu: torch.Tensor | None = None
+
+    def host_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seq_lens, extend_lens) as CPU int64 [B], without a device sync when ``build`` made them."""
+        s = self.seq_lens_cpu if self.seq_lens_cpu is not None else self.seq_lens.cpu()
+        e = self.extend_lens_cpu if self.extend_lens_cpu is not None else self.extend_lens.cpu()
+        return s, e
 
     @property
     def batch_size(self) -> int:
@@ -70,13 +80,16 @@ class ForwardBatch:
         pos = [p for pre, e in zip(prefix_lens, ext) for p in range(pre, pre + e)]
         dev = torch.device(device)
         i64 = dict(dtype=torch.int64, device=dev)
+        seq = [p + e for p, e in zip(prefix_lens, ext)]
         return cls(
             mode=mode,
             input_ids=torch.tensor(flat, **i64),
             positions=torch.tensor(pos, **i64),
             req_pool_indices=torch.tensor(list(rows), **i64),
-            seq_lens=torch.tensor([p + e for p, e in zip(prefix_lens, ext)], **i64),
+            seq_lens=torch.tensor(seq, **i64),
             prefix_lens=torch.tensor(list(prefix_lens), **i64),
             extend_lens=torch.tensor(ext, **i64),
             out_cache_loc=out_cache_loc.to(dev, torch.int64),
+            seq_lens_cpu=torch.tensor(seq, dtype=torch.int64),
+            extend_lens_cpu=torch.tensor(ext, dtype=torch.int64),
         )

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import create_backend
+from engine.attention import create_backend, resolve_backend_name
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, pages_for_budget
@@ -46,13 +46,28 @@ class ModelRunner:
         num_pages = config.num_pages or pages_for_budget(
             config.kv_memory, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
             self.dtype, self.device)
-        self.kv_pool = KVPool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads,
+        backend_name = resolve_backend_name(config.attention_backend, self.device, self.dtype)
+        use_graphs = config.cuda_graph and backend_name == "flashinfer"
+        # CUDA graphs pad decode batches with entries that write into a scratch page no request owns:
+        # the pool has one page more than the allocator hands out.
+        self.scratch_page = num_pages if use_graphs else None
+        self.kv_pool = KVPool(num_pages + int(use_graphs), config.page_size, mc.num_layers, mc.num_kv_heads,
                               mc.head_dim, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages, config.page_size, self.device)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context, self.device)
-        self.backend = create_backend(config.attention_backend, kv_pool=self.kv_pool,
+        self.backend = create_backend(backend_name, kv_pool=self.kv_pool,
                                       req_to_token_pool=self.req_to_token_pool, num_heads=mc.num_heads,
                                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+        if config.fused_ops and self.model._fused is None:
+            from engine.fused_ops import enable_fused_ops, fused_ops_supported
+
+            if fused_ops_supported(self.model):
+                enable_fused_ops(self.model, self.max_context)
+        self.graph_runner = None
+        if use_graphs:
+            from engine.cuda_graph_runner import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(self, config.cuda_graph_max_bs)
 
     @property
     def vocab_size(self) -> int:
@@ -65,4 +80,6 @@ class ModelRunner:
         Returns float32 logits [B, vocab] of each request's last new token (or of the packed token
         rows in ``logit_index``, int64 [N]).
         """
+        if logit_index is None and self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         return self.model(batch, self.backend, logit_index)

@@ -23,12 +23,16 @@ from engine.models.rotary import Rotary, apply_rotary
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 as HF's LlamaRMSNorm."""
 
+    _fused = None  # engine.fused_ops.FusedOps when enabled (CUDA bf16/fp16), else the torch path
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:
+            return self._fused.rms_norm(x, self.weight, self.eps)
         dt = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -36,6 +40,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    _fused = None  # see RMSNorm._fused; then qkv_weight/qkv_bias hold the fused projection
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -52,6 +57,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, batch: ForwardBatch, backend: AttentionBackend):
+        if self._fused is not None:
+            return self.o_proj(self._fused.attention(self, x, batch, backend))
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.h, self.d)
         k = self.k_proj(x).view(T, self.kvh, self.d)
@@ -63,6 +70,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    _fused = None  # see RMSNorm._fused; then gate_up_weight holds the fused projection
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -70,6 +78,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        if self._fused is not None:
+            return self._fused.mlp(self, x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -96,6 +106,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    _fused = None  # engine.fused_ops.enable_fused_ops sets it (then RoPE runs inside attention)
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -110,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
         ``logit_index`` (default: each request's last new token, i.e. ``cumsum(extend_lens) - 1``)."""
         m = self.model
         x = m.embed_tokens(batch.input_ids)
-        cos, sin = m.rotary.cos_sin(batch.positions, x.dtype)
+        cos, sin = m.rotary.cos_sin(batch.positions, x.dtype) if self._fused is None else (None, None)
         backend.init_forward(batch)
         for layer in m.layers:
             x = layer(x, cos, sin, batch, backend)

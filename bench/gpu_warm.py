@@ -1,0 +1,71 @@
+"""Compile the flashinfer modules the GPU path uses, in parallel processes (JIT, first use only).
+
+    python -m bench.gpu_warm            # norm, rope, activation, decode, prefill (bf16, head_dim 128)
+
+Each module builds into ~/.cache/flashinfer once; scripts/gpu_session.sh saves the .so files so the
+next device call skips this.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+JOBS = {"prefill": 9, "decode": 3, "norm": 2, "rope": 1, "act": 1}
+
+
+def build(kind: str) -> None:
+    import torch
+
+    import flashinfer
+
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(8, 512, dtype=dt, device=dev)
+    if kind == "norm":
+        flashinfer.norm.rmsnorm(x, torch.ones(512, dtype=dt, device=dev), 1e-5)
+    elif kind == "act":
+        flashinfer.activation.silu_and_mul(x)
+    elif kind == "rope":
+        q = torch.randn(8, 4 * 128, dtype=dt, device=dev)
+        k = torch.randn(8, 2 * 128, dtype=dt, device=dev)
+        cache = torch.randn(64, 128, dtype=torch.float32, device=dev)
+        flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(torch.arange(8, device=dev), q, k, 128, cache)
+    else:
+        from bench.gpu import backend_vs_torch
+
+        if kind == "decode":  # only the decode wrapper: plan/run one decode batch
+            from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+            ws = torch.zeros(64 << 20, dtype=torch.uint8, device=dev)
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            kv = torch.randn(4, 16, 8, 128, dtype=dt, device=dev)
+            w.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32, device=dev),
+                   torch.tensor([5], dtype=torch.int32), 32, 8, 128, 16, q_data_type=dt, kv_data_type=dt)
+            w.run(torch.randn(1, 32, 128, dtype=dt, device=dev), (kv, kv))
+            del FlashInferAttentionBackend
+        else:
+            backend_vs_torch()
+    torch.cuda.synchronize()
+
+
+def main() -> int:
+    if len(sys.argv) > 1:
+        t = time.perf_counter()
+        build(sys.argv[1])
+        print(f"built {sys.argv[1]} in {time.perf_counter() - t:.1f}s", flush=True)
+        return 0
+    procs = {}
+    for kind, jobs in JOBS.items():
+        env = dict(os.environ, MAX_JOBS=str(jobs))
+        procs[kind] = subprocess.Popen([sys.executable, "-m", "bench.gpu_warm", kind], env=env)
+    rc = 0
+    for kind, p in procs.items():
+        rc |= p.wait()
+        print(f"{kind}: rc={p.returncode}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

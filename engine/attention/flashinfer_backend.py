@@ -1,0 +1,132 @@
+"""The ``flashinfer`` attention backend (CUDA): paged prefill over a cached prefix and paged decode.
+
+The pool's per-layer buffers ``[num_pages * page_size, kv_heads, head_dim]`` are viewed, without a
+copy, as flashinfer's NHD paged layout ``[num_pages, page_size, kv_heads, head_dim]``; a request's
+page table is its ``req_to_token`` row read every ``page_size`` positions (slot // page_size), which is
+valid because the allocator hands out whole pages filled in order (engine/page_allocator.py).
+
+* EXTEND: ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` over ``[0, seq_len)`` of each
+  row; flashinfer aligns the causal mask bottom-right, so the ``extend_len`` queries at positions
+  ``prefix_len..seq_len-1`` see the whole cached prefix (prefill with a cached prefix = extend).
+* DECODE: ``BatchDecodeWithPagedKVCacheWrapper``. :class:`engine.cuda_graph_runner.CudaGraphRunner`
+  builds its own graph-mode decode wrappers and calls :meth:`plan_decode` before each replay.
+
+New K/V are stored first (``KVPool.write``: one index_put per K and V), then attention reads the
+pool. ``plan`` happens once per batch in :meth:`init_forward` from host-side lengths
+(``ForwardBatch.seq_lens_cpu``); the page indices themselves are gathered on the device.
+flashinfer is imported lazily, so this module imports on CPU-only machines.
+Upstream anchors: flashinfer ``decode.py`` / ``prefill.py`` wrappers (plan/run), sglang's
+``flashinfer_backend.py`` (page-table construction, cuda-graph wrappers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.forward_batch import ForwardBatch, ForwardMode
+
+WORKSPACE_BYTES = 256 << 20  # flashinfer's float workspace (split-kv partial outputs); 128 MiB recommended
+
+
+def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens_cpu: torch.Tensor, page_size: int,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flashinfer page table of requests ``rows`` (int64 [B], on the pool's device).
+
+    Returns ``(indptr, indices, last_page_len)``: indptr int32 [B+1] on the CPU (cumulative page
+    counts), indices int32 [indptr[-1]] on ``req_to_token``'s device (page ids, computed there without
+    a host sync; written into ``out[:n]`` when given), last_page_len int32 [B] on the CPU (tokens in
+    each request's last page, 1..page_size). ``seq_lens_cpu``: int64 [B] tokens per request (>= 1).
+    """
+    seq = seq_lens_cpu.to(torch.int64)
+    npages = (seq + page_size - 1) // page_size
+    indptr = torch.zeros(len(seq) + 1, dtype=torch.int64)
+    torch.cumsum(npages, 0, out=indptr[1:])
+    total = int(indptr[-1])
+    last = (seq - (npages - 1) * page_size).to(torch.int32)
+    dev = req_to_token.device
+    # page j of the flattened table belongs to request i = searchsorted(indptr, j, right) - 1
+    j = torch.arange(total, device=dev)
+    indptr_dev = indptr.to(dev, non_blocking=True)
+    req = torch.searchsorted(indptr_dev, j, right=True) - 1
+    pos = (j - indptr_dev[req]) * page_size
+    idx = torch.div(req_to_token[rows.to(dev)[req], pos], page_size, rounding_mode="floor")
+    if out is not None:
+        out[:total].copy_(idx)
+        idx = out[:total]
+    else:
+        idx = idx.to(torch.int32)
+    return indptr.to(torch.int32), idx, last
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    """Paged attention through flashinfer (bf16/fp16 K/V on CUDA).
+
+    Extra args: ``prefill_backend`` ("fa2" | "fa3" | "auto"), ``decode_tensor_cores`` (flashinfer's
+    tensor-core decode, worthwhile for large GQA groups).
+    Raises ValueError for a CPU pool or a float32 pool (flashinfer kernels take half types).
+    """
+
+    def __init__(self, kv_pool, req_to_token_pool, num_heads, num_kv_heads, head_dim, scale=None,
+                 prefill_backend: str = "fa2", decode_tensor_cores: bool = False):
+        super().__init__(kv_pool, req_to_token_pool, num_heads, num_kv_heads, head_dim, scale)
+        if kv_pool.device.type != "cuda":
+            raise ValueError("attention_backend: flashinfer needs a CUDA KV pool")
+        if kv_pool.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"attention_backend: flashinfer needs bf16/fp16 K/V, got {kv_pool.dtype}")
+        import flashinfer
+
+        self._fi = flashinfer
+        dev = kv_pool.device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                              backend=prefill_backend)
+        self.decode_tensor_cores = decode_tensor_cores
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=decode_tensor_cores)
+        ps = kv_pool.page_size
+        P = kv_pool.num_pages
+        self.kv_cache = [(k.view(P, ps, num_kv_heads, head_dim), v.view(P, ps, num_kv_heads, head_dim))
+                         for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]
+        self._wrapper = None
+
+    def make_decode_wrapper(self, batch_size: int, indices_buffer: torch.Tensor):
+        """A cuda-graph-mode decode wrapper for exactly ``batch_size`` requests; ``indices_buffer``
+        (int32 [max pages in all], may be shared by wrappers that never run concurrently) holds the
+        page ids, so a graph captured over this wrapper stays valid across plans."""
+        dev = self.kv_pool.device
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=indices_buffer,
+            paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=dev))
+
+    def plan_decode(self, wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
+        """Plan ``wrapper`` for a decode batch from a :func:`page_table`."""
+        wrapper.plan(indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
+                     self.kv_pool.page_size, q_data_type=self.kv_pool.dtype, kv_data_type=self.kv_pool.dtype,
+                     sm_scale=self.scale)
+
+    def init_forward(self, batch: ForwardBatch) -> None:
+        seq, ext = batch.host_lens()
+        indptr, indices, last = page_table(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq,
+                                           self.kv_pool.page_size)
+        if batch.mode is ForwardMode.DECODE:
+            self.plan_decode(self.decode_wrapper, indptr, indices, last)
+            self._wrapper = self.decode_wrapper
+            return
+        qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32)
+        torch.cumsum(ext.to(torch.int32), 0, out=qo_indptr[1:])
+        self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads,
+                                  self.head_dim, self.kv_pool.page_size, causal=True, sm_scale=self.scale,
+                                  q_data_type=self.kv_pool.dtype, kv_data_type=self.kv_pool.dtype)
+        self._wrapper = self.prefill_wrapper
+
+    def set_wrapper(self, wrapper) -> None:
+        """Use an already planned wrapper for the next forward (the cuda-graph runner's)."""
+        self._wrapper = wrapper
+
+    def forward(self, q, k, v, layer, batch):
+        self.kv_pool.write(layer, batch.out_cache_loc, k, v)
+        o = self._wrapper.run(q.contiguous(), self.kv_cache[layer])
+        return o.reshape(q.shape[0], self.num_heads * self.head_dim)

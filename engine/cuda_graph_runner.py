@@ -1,0 +1,151 @@
+"""CUDA graphs for decode batches: one graph per batch-size bucket, replayed with fresh inputs.
+
+A decode step of a 7-8B model is ~400 short kernels; launched one by one from Python the launch
+gaps cost more than the memory traffic at small batch. Capturing the whole forward (embedding,
+every layer, final norm, lm_head) once per bucket and replaying it removes them.
+
+Per step (:meth:`CudaGraphRunner.replay`), outside the graph: copy input ids / positions /
+``out_cache_loc`` into the static buffers (device-to-device, padded to the bucket), build the page
+table on the device and ``plan`` the bucket's graph-mode flashinfer decode wrapper from host-side
+lengths (``ForwardBatch.seq_lens_cpu``), then replay. Nothing in a step waits for the device; the
+caller's sampling (argmax / sampler on the device) is the step's only sync.
+
+Padding: a batch of B requests runs in the smallest bucket b >= B; the b - B pad entries have
+length 1, attend to a scratch page that no request owns (``ModelRunner`` allocates the KV pool one
+page larger than the allocator's) and store their K/V there.
+
+After sglang's ``cuda_graph_runner.py`` (buckets, padding, plan-before-replay) and flashinfer's
+``use_cuda_graph`` decode wrappers.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from engine.attention.flashinfer_backend import FlashInferAttentionBackend, page_table
+from engine.forward_batch import ForwardBatch, ForwardMode
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+class _Planned:
+    """The backend with ``init_forward`` skipped: the graph runner planned the wrapper already."""
+
+    def __init__(self, backend: FlashInferAttentionBackend, wrapper):
+        self.backend, self.wrapper = backend, wrapper
+
+    def init_forward(self, batch) -> None:
+        self.backend.set_wrapper(self.wrapper)
+
+    def forward(self, q, k, v, layer, batch):
+        return self.backend.forward(q, k, v, layer, batch)
+
+
+class CudaGraphRunner:
+    """Captures ``runner.model`` decode forwards for each bucket <= ``max_batch``.
+
+    ``runner``: an :class:`engine.model_runner.ModelRunner` on CUDA with the flashinfer backend and a
+    scratch page (``runner.scratch_page``). Raises ValueError otherwise.
+    """
+
+    def __init__(self, runner, max_batch: int | None = None, buckets=DEFAULT_BUCKETS):
+        if not isinstance(runner.backend, FlashInferAttentionBackend):
+            raise ValueError("cuda graphs need the flashinfer attention backend")
+        if getattr(runner, "scratch_page", None) is None:
+            raise ValueError("cuda graphs need a scratch page in the KV pool (ModelRunner(cuda_graph=True))")
+        self.runner = runner
+        self.backend: FlashInferAttentionBackend = runner.backend
+        self.model = runner.model
+        self.page_size = ps = runner.page_size
+        max_batch = max_batch or runner.config.max_running_requests
+        self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
+        self.max_batch = max_batch
+        dev = self.device = runner.device
+        self.scratch_page = runner.scratch_page
+        self.scratch_slot = runner.scratch_page * ps
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(max_batch, **i64)
+        self.positions = torch.zeros(max_batch, **i64)
+        self.rows = torch.zeros(max_batch, **i64)
+        self.seq_lens = torch.ones(max_batch, **i64)
+        self.ones = torch.ones(max_batch, **i64)
+        self.zeros = torch.zeros(max_batch, **i64)
+        self.out_cache_loc = torch.full((max_batch,), self.scratch_slot, **i64)
+        pages_per_row = -(-runner.max_context // ps)
+        self.indices = torch.zeros(max_batch * pages_per_row + max_batch, dtype=torch.int32, device=dev)
+        self.wrappers: dict[int, object] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.mempool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
+                self._capture(b)
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        i = bisect.bisect_left(self.buckets, batch_size)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.mode is ForwardMode.DECODE and batch.batch_size <= self.max_batch
+
+    def _static_batch(self, b: int) -> ForwardBatch:
+        return ForwardBatch(mode=ForwardMode.DECODE, input_ids=self.input_ids[:b], positions=self.positions[:b],
+                            req_pool_indices=self.rows[:b], seq_lens=self.seq_lens[:b],
+                            prefix_lens=self.zeros[:b], extend_lens=self.ones[:b],
+                            out_cache_loc=self.out_cache_loc[:b])
+
+    def _plan(self, b: int, batch: ForwardBatch | None) -> None:
+        """Plan bucket ``b``'s wrapper: the batch's real page table, then b - B one-token pad entries."""
+        B = 0 if batch is None else batch.batch_size
+        if B:
+            seq, _ = batch.host_lens()
+            indptr, idx, last = page_table(self.runner.req_to_token_pool.req_to_token, batch.req_pool_indices,
+                                           seq, self.page_size)
+        else:
+            indptr = torch.zeros(1, dtype=torch.int32)
+            idx = torch.empty(0, dtype=torch.int32, device=self.device)
+            last = torch.empty(0, dtype=torch.int32)
+        pad = b - B
+        if pad:
+            indptr = torch.cat([indptr, indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)])
+            idx = torch.cat([idx, torch.full((pad,), self.scratch_page, dtype=torch.int32, device=self.device)])
+            last = torch.cat([last, torch.ones(pad, dtype=torch.int32)])
+        self.backend.plan_decode(self.wrappers[b], indptr, idx, last)
+
+    def _capture(self, b: int) -> None:
+        self.wrappers[b] = self.backend.make_decode_wrapper(b, self.indices)
+        self._plan(b, None)
+        batch = self._static_batch(b)
+        planned = _Planned(self.backend, self.wrappers[b])
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph (cuBLAS handles, lazy inits)
+                self.model(batch, planned)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.mempool):
+            self.logits[b] = self.model(batch, planned)
+        self.graphs[b] = g
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run a decode batch through its bucket's graph; returns float32 logits [B, vocab].
+
+        The result is a view of the graph's static output: consume it before the next replay.
+        """
+        B = batch.batch_size
+        b = self.bucket_for(B)
+        if b is None:
+            raise ValueError(f"decode batch of {B} exceeds the largest captured bucket {self.max_batch}")
+        self.input_ids[:B].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:B].copy_(batch.positions, non_blocking=True)
+        self.out_cache_loc[:B].copy_(batch.out_cache_loc, non_blocking=True)
+        if b > B:
+            self.input_ids[B:b].zero_()
+            self.positions[B:b].zero_()
+            self.out_cache_loc[B:b].fill_(self.scratch_slot)
+        self._plan(b, batch)
+        self.graphs[b].replay()
+        return self.logits[b][:B]

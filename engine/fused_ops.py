@@ -1,0 +1,118 @@
+"""Fused CUDA kernels for the Llama-family forward (bf16/fp16 on CUDA): fewer, larger launches.
+
+:func:`enable_fused_ops` rewires a loaded :class:`~engine.models.llama.LlamaForCausalLM` in place:
+
+* q/k/v projections run as one GEMM, gate/up as one: the model's own ``qkv_proj`` / ``gate_up_proj``
+  when it has them, else a fused weight whose shards the original ``*.weight`` parameters become
+  views of (same names, no extra memory);
+* RMSNorm -> ``flashinfer.norm.rmsnorm`` (one kernel instead of seven element-wise ones);
+* RoPE -> ``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace`` on the q/k views of the fused
+  projection output, with a float32 cos/sin table built from the model's own ``inv_freq``
+  (llama3 / linear scaling included), so frequencies equal the torch path's;
+* SiLU(gate) * up -> ``flashinfer.activation.silu_and_mul``.
+
+Numerics: the fused kernels compute in float32 and round once, the torch path (HF's) rounds to the
+model dtype between steps; both stay within bf16 tolerance of each other (tests/unit/test_gpu_*.py).
+Design after sglang's ``LlamaForCausalLM`` (merged qkv / gate_up projections, flashinfer kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_ops_supported(model) -> bool:
+    """True for a model on CUDA in bf16/fp16 with flashinfer importable."""
+    p = next(model.parameters())
+    if p.device.type != "cuda" or p.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class FusedOps:
+    """What the model's modules call when fused ops are enabled (see the module docstring)."""
+
+    def __init__(self, model, max_positions: int):
+        import flashinfer
+
+        self.fi = flashinfer
+        cfg = model.config
+        self.head_dim = cfg.head_dim
+        inv = model.model.rotary.inv_freq.float()
+        dev = inv.device
+        t = torch.arange(max_positions, dtype=torch.float32, device=dev)
+        freqs = torch.outer(t, inv)  # [max_positions, head_dim // 2]
+        self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), -1).contiguous()  # float32 [P, head_dim]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        shape = x.shape
+        return self.fi.norm.rmsnorm(x.reshape(-1, shape[-1]).contiguous(), weight, eps).view(shape)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.fi.activation.silu_and_mul(gate_up)
+
+    def rope_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """In place on q [T, H*D] and k [T, KVH*D] (row-strided views are fine)."""
+        self.fi.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, self.head_dim,
+                                                           self.cos_sin_cache, is_neox=True)
+
+    def attention(self, attn, x, batch, backend) -> torch.Tensor:
+        """Attention block of one layer (``attn`` an engine.models.llama.Attention): [T, hidden] ->
+        [T, H*D], before ``o_proj``."""
+        T = x.shape[0]
+        H, KVH, D = attn.h, attn.kvh, attn.d
+        qkv = attn.qkv_proj(x) if attn.qkv_weight is None else F.linear(x, attn.qkv_weight, attn.qkv_bias)
+        q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+        if attn.q_norm is not None:  # Qwen3: per-head norm before RoPE (new tensors)
+            q = self.rms_norm(q.reshape(T, H, D), attn.q_norm.weight, attn.q_norm.eps).view(T, H * D)
+            k = self.rms_norm(k.reshape(T, KVH, D), attn.k_norm.weight, attn.k_norm.eps).view(T, KVH * D)
+        self.rope_(batch.positions, q, k)
+        return backend.forward(q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D), attn.layer, batch)
+
+    def mlp(self, mlp, x) -> torch.Tensor:
+        gate_up = mlp.gate_up_proj(x) if mlp.gate_up_weight is None else F.linear(x, mlp.gate_up_weight)
+        return mlp.down_proj(self.silu_mul(gate_up))
+
+
+def _fuse(linears) -> torch.Tensor:
+    """Concatenate the weights of ``linears`` along dim 0 and make each one's weight a view."""
+    fused = torch.cat([lin.weight.data for lin in linears], 0)
+    off = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = fused[off:off + n]
+        off += n
+    return fused
+
+
+def enable_fused_ops(model, max_positions: int) -> FusedOps:
+    """Rewire ``model`` (in place) to the fused path; returns the :class:`FusedOps` it uses.
+
+    ``max_positions``: size of the RoPE table (the runner's max_context).
+    Raises ValueError when :func:`fused_ops_supported` is False.
+    """
+    if not fused_ops_supported(model):
+        raise ValueError("fused ops need a bf16/fp16 model on CUDA and flashinfer")
+    ops = FusedOps(model, max_positions)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_weight = a.qkv_bias = m.gate_up_weight = None  # None: the model's own fused Linear
+            if not hasattr(a, "qkv_proj"):
+                a.qkv_weight = _fuse([a.q_proj, a.k_proj, a.v_proj])
+                a.qkv_bias = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                              if a.q_proj.bias is not None else None)
+            if not hasattr(m, "gate_up_proj"):
+                m.gate_up_weight = _fuse([m.gate_proj, m.up_proj])
+            a._fused = m._fused = ops
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm._fused = ops
+        model.model.norm._fused = ops
+        model._fused = ops
+    torch.cuda.empty_cache()
+    return ops
