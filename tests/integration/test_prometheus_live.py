@@ -212,6 +212,24 @@ def test_every_dashboard_query_returns_series(stack, prometheus):
         (f"halfmoon-{r}", r) for r in ("router", "registry", "prefill", "decode")}
 
 
+
+def test_live_expositions_lint_clean(stack):
+    """The real services' /metrics pass `promtool check metrics` and export only their own groups."""
+    from halfmoon import metrics
+
+    promtool = shutil.which("promtool") or pytest.fail("promtool missing: run `make tools`")
+    addrs = {"router": stack["router"]["metrics"], "registry": stack["registry"]["metrics"],
+             "prefill": stack["prefill"][0]["metrics"], "decode": stack["decode"][0]["metrics"]}
+    for role, addr in addrs.items():
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
+                              timeout=30)
+        assert proc.returncode == 0, f"{role}: {proc.stdout}{proc.stderr}"
+        owners = {line.split()[2].split("_")[1] for line in text.splitlines()
+                  if line.startswith("# TYPE halfmoon_") and not line.startswith("# TYPE halfmoon_worker_info")}
+        assert owners == set(metrics.GROUPS_BY_ROLE[role]), (role, owners)
+
 def test_worker_down_alert_goes_pending(stack, prometheus):
     """SIGKILL the decode worker: its target goes down and HalfmoonWorkerDown turns pending for it
     (it fires after its `for: 1m`, which promtool's rules_test.yaml covers)."""
