@@ -1,6 +1,7 @@
 """The ``torch`` attention backend: gather each request's pages via ``req_to_token`` and run masked
 ``scaled_dot_product_attention``. Works on any device; it is the reference the others are tested
-against. Extend runs one SDPA per request (ragged lengths); decode pads the batch to the longest
+against. Extend runs one SDPA per request (ragged lengths; causal kernel on the new K/V when there is
+no cached prefix, else a gather of the row and a mask); decode pads the batch to the longest
 sequence and masks the tail.
 """
 
@@ -28,10 +29,13 @@ class TorchAttentionBackend(AttentionBackend):
             start = 0
             for row, pre, ext, s in zip(batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(),
                                         batch.extend_lens.tolist(), seq):
-                slots = r2t[row, :s]
-                q_pos = torch.arange(pre, pre + ext, device=dev)
-                mask = torch.arange(s, device=dev)[None, :] <= q_pos[:, None]  # [E, S]
-                self._reqs.append((start, start + ext, slots, mask))
+                if pre == 0:  # no cached prefix: attend to the new K/V directly, causal SDPA kernel
+                    self._reqs.append((start, start + ext, None, None))
+                else:
+                    slots = r2t[row, :s]
+                    q_pos = torch.arange(pre, pre + ext, device=dev)
+                    mask = torch.arange(s, device=dev)[None, :] <= q_pos[:, None]  # [E, S]
+                    self._reqs.append((start, start + ext, slots, mask))
                 start += ext
 
     def forward(self, q, k, v, layer, batch):
@@ -47,10 +51,14 @@ class TorchAttentionBackend(AttentionBackend):
             return out.reshape(q.shape[0], H * D)
         outs = []
         for s, e, slots, mask in self._reqs:
-            kk = kb[slots].transpose(0, 1)[None].to(q.dtype)  # [1, kvh, S, D]
-            vv = vb[slots].transpose(0, 1)[None].to(q.dtype)
             qq = q[s:e].transpose(0, 1)[None]  # [1, H, E, D]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None], scale=self.scale,
-                                               enable_gqa=True)
+            if slots is None:
+                kk, vv = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                kk = kb[slots].transpose(0, 1)[None].to(q.dtype)  # [1, kvh, S, D]
+                vv = vb[slots].transpose(0, 1)[None].to(q.dtype)
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None], scale=self.scale,
+                                                   enable_gqa=True)
             outs.append(o[0].transpose(0, 1).reshape(e - s, H * D))
         return torch.cat(outs, 0)
