@@ -185,7 +185,7 @@ def test_lease_expiry_removes_worker(registry):
     t0 = time.monotonic()
     ev = _next(events, timeout=5)  # no heartbeats
     assert ev.kind == registry_pb2.WorkerEvent.REMOVED and ev.reason == "lease expired"
-    assert 0.8 < time.monotonic() - t0 < 3.0
+    assert 0.8 < time.monotonic() - t0 < 5.0
     with pytest.raises(grpc.RpcError) as e:
         stub.GetSegment(registry_pb2.GetSegmentRequest(name="d0"), timeout=5)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND

@@ -200,7 +200,7 @@ def test_stopped_peer_times_out_over_tcp(peers, engine_factory):
         assert st.state is State.FAILED and "timed out" in st.reason, st
         assert metrics.build_registry(groups=["transfer"]).get_sample_value(
             "halfmoon_transfer_failures_total", {"reason": "timeout"}) >= 1
-        assert 1.0 < elapsed < 1.5 + 1.0
+        assert 1.0 < elapsed < 1.5 + 3.0  # deadline + scheduling slack on a loaded box
         assert not seg.alive
     finally:
         peer.kill(9)
