@@ -49,9 +49,10 @@ committed tokens and free the duplicates [pre_len, n_dup) as in 5, then
 write ``new_slots`` into ``req_to_token[row, :len(new_slots)]`` (it replaces the freed duplicates),
 and continue with ``pre_len = len(new_slots)``; the request owns only its pages from there on.
 
-Hashing: each page carries the chained ``engine.page_hash`` key of its prefix (stable across
-processes), and with ``enable_events=True`` the tree records ``CacheEvent``s (inserted / evicted
-page ranges) for KV-aware routing, read with ``drain_events()``.
+Events: with ``enable_events=True`` each page also carries the chained ``engine.page_hash`` key of
+its prefix (stable across processes and restarts; the tree's own lookups compare token ids and
+never hash), and the tree records ``CacheEvent``s (inserted / evicted page ranges with their
+hashes) for KV-aware routing, read with ``drain_events()``. Without it no hashing is done.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class TreeNode:
 
     key: list[int]
     value: torch.Tensor  # int64 [len(key)], slots
-    hashes: list[int]  # chained page hash of each page of key
+    hashes: list[int]  # chained page hash of each page of key (kept only with enable_events)
     start: int  # token position of key[0] in the sequence
     parent: TreeNode | None = None
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
@@ -130,7 +131,8 @@ class RadixCache:
         page_size: tokens per page (>= 1).
         free_pages: where evicted pages go: an object with ``free(page_ids)`` (the page allocator)
             or a callable taking ``page_ids``; page_ids is a 1-D int64 tensor.
-        enable_events: record ``CacheEvent``s for ``drain_events()``.
+        enable_events: keep page hashes and record ``CacheEvent``s for ``drain_events()`` (costs
+            one blake2b per inserted page; drain regularly, the list grows until drained).
         seed: page-hash seed (``engine.page_hash.ROOT_HASH`` by default).
     Not thread-safe: call it from the scheduler thread only.
     """
@@ -228,17 +230,18 @@ class RadixCache:
         node, pos = self._walk(key, n, split=True)
         if pos < n:
             new_slots = slots[pos:n].to("cpu", copy=True)
-            parent_hash = node.hashes[-1] if node is not self.root else self.seed
             hashes = []
-            h = parent_hash
-            for s in range(pos, n, ps):
-                h = page_hash(h, key[s:s + ps])
-                hashes.append(h)
+            if self.enable_events:
+                parent_hash = node.hashes[-1] if node is not self.root else self.seed
+                h = parent_hash
+                for s in range(pos, n, ps):
+                    h = page_hash(h, key[s:s + ps])
+                    hashes.append(h)
             leaf = TreeNode(key=key[pos:n], value=new_slots, hashes=hashes, start=pos, parent=node,
                             last_access=self._clock)
             node.children[tuple(key[pos:pos + ps])] = leaf
-            self._evictable += len(hashes)
-            self.inserted_pages_total += len(hashes)
+            self._evictable += (n - pos) // ps
+            self.inserted_pages_total += (n - pos) // ps
             if self.enable_events:
                 self._events.append(CacheEvent("insert", tuple(hashes), parent_hash, pos, n))
         return pos
@@ -253,7 +256,7 @@ class RadixCache:
         moved = 0
         while node is not self.root:
             if node.lock_ref == 0:
-                pages = len(node.hashes)
+                pages = len(node.key) // self.page_size
                 self._evictable -= pages
                 self._protected += pages
                 moved += pages
@@ -278,7 +281,7 @@ class RadixCache:
         while node is not self.root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                pages = len(node.hashes)
+                pages = len(node.key) // self.page_size
                 self._protected -= pages
                 self._evictable += pages
                 moved += pages
@@ -306,7 +309,7 @@ class RadixCache:
         left = num_pages
         while left > 0 and heap:
             _, _, leaf = heapq.heappop(heap)
-            pages = len(leaf.hashes)
+            pages = len(leaf.key) // ps
             take = min(pages, left)
             keep = pages - take
             gone = leaf.value[keep * ps:]
@@ -376,12 +379,15 @@ class RadixCache:
                 assert len(c.key) > 0 and len(c.key) % ps == 0, "key not page-aligned"
                 assert tuple(c.key[:ps]) == first, "child keyed by the wrong page"
                 assert c.value.dtype == torch.int64 and c.value.numel() == len(c.key), "bad value"
-                assert len(c.hashes) == len(c.key) // ps, "hash count"
                 assert c.start == n.end, "start position"
-                h = n.hashes[-1] if n is not self.root else self.seed
-                for i, s in enumerate(range(0, len(c.key), ps)):
-                    h = page_hash(h, c.key[s:s + ps])
-                    assert c.hashes[i] == h, "hash chain broken"
+                if self.enable_events:
+                    assert len(c.hashes) == len(c.key) // ps, "hash count"
+                    h = n.hashes[-1] if n is not self.root else self.seed
+                    for i, s in enumerate(range(0, len(c.key), ps)):
+                        h = page_hash(h, c.key[s:s + ps])
+                        assert c.hashes[i] == h, "hash chain broken"
+                else:
+                    assert not c.hashes, "hashes kept without enable_events"
                 assert c.lock_ref >= 0, f"negative lock_ref {c.lock_ref}"
                 if n is not self.root:
                     assert n.lock_ref >= c.lock_ref, "parent less locked than child"
@@ -428,10 +434,13 @@ class RadixCache:
             child = node.children.get(tuple(key[pos:pos + ps]))
             if child is None:
                 break
-            m = ps
             ck = child.key
-            while m < len(ck) and pos + m < n and ck[m:m + ps] == key[pos + m:pos + m + ps]:
-                m += ps
+            if len(ck) <= n - pos and ck == key[pos:pos + len(ck)]:
+                m = len(ck)  # whole edge matches (the common case): one C-level compare
+            else:
+                m = ps
+                while m < len(ck) and pos + m < n and ck[m:m + ps] == key[pos + m:pos + m + ps]:
+                    m += ps
             if m < len(ck):
                 child = self._split(child, m)
             child.last_access = self._clock

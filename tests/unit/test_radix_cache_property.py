@@ -83,8 +83,8 @@ class Req:
 
 
 class RadixMachine(RuleBasedStateMachine):
-    @initialize(ps=st.sampled_from([1, 2, 4]), num_pages=st.integers(4, 14))
-    def setup(self, ps, num_pages):
+    @initialize(ps=st.sampled_from([1, 2, 4]), num_pages=st.integers(4, 14), events=st.booleans())
+    def setup(self, ps, num_pages, events):
         self.ps, self.num_pages = ps, num_pages
         self.alloc = PageAllocator(num_pages, ps)
         self.freed: list[int] = []
@@ -94,7 +94,7 @@ class RadixMachine(RuleBasedStateMachine):
             self.freed += ids.tolist()
             self.alloc.free(ids)
 
-        self.cache = RadixCache(ps, free)
+        self.cache = RadixCache(ps, free, enable_events=events)  # events: hash chains checked too
         self.ref = RefCache(ps)
         self.reqs: list[Req] = []
 
