@@ -313,6 +313,58 @@ def decode(args) -> dict:
     return out
 
 
+def profile(args) -> dict:
+    """Per-kernel GPU time of one eager decode step (torch.profiler), grouped by kernel name, at a
+    few batch sizes (context 1024): which kernels keep a step from the floor."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    from engine.forward_batch import ForwardBatch, ForwardMode
+
+    batches = [1, 128]
+    C, ps = 1024, 16
+    runner, _ = _runner(args, max(batches), C + ps, max(batches) * (C // ps + 2) + 8)
+    for buf in runner.kv_pool.buffers():
+        buf.normal_()
+    mc = runner.model_config
+    out = {}
+    for B in batches:
+        rows, locs = [], []
+        for _ in range(B):
+            row = runner.req_to_token_pool.alloc()
+            s = runner.allocator.alloc_slots(0, C + 1, None)
+            runner.req_to_token_pool.write(row, 0, s)
+            rows.append(row)
+            locs.append(s[C])
+        batch = ForwardBatch.build(ForwardMode.DECODE, rows, [C] * B, [[1]] * B, torch.stack(locs), "cuda")
+        with torch.inference_mode():
+            for _ in range(3):
+                runner.model(batch, runner.backend)
+            torch.cuda.synchronize()
+            steps = 5
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    runner.model(batch, runner.backend)
+                torch.cuda.synchronize()
+        agg: dict[str, list[float]] = {}
+        for ev in prof.events():
+            if ev.device_type.name == "CUDA":
+                a = agg.setdefault(ev.name[:90], [0.0, 0])
+                a[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+                a[1] += 1
+        rows_out = sorted(([k, v[0] / steps / 1e3, v[1] // steps] for k, v in agg.items()), key=lambda r: -r[1])
+        total = sum(r[1] for r in rows_out)
+        out[str(B)] = {"kernel_ms_per_step": total, "top": rows_out[:14]}
+        print(f"profile B={B} ctx={C}: kernel time {total:.3f} ms/step", flush=True)
+        for k, ms, n in rows_out[:14]:
+            print(f"  {ms:7.3f} ms  x{n:4d}  {k}", flush=True)
+        for row in rows:
+            runner.req_to_token_pool.free(row)
+    del runner
+    torch.cuda.empty_cache()
+    return out
+
+
 def prefill(args) -> dict:
     from engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -341,7 +393,20 @@ def prefill(args) -> dict:
 
     ms_chunked = statistics.median(_events_ms(chunked, args.iters_prefill, warmup=1))
     floor_ms = flops / args.gemm_rate * 1e3
-    out = {"tokens": T, "flops": flops, "linear_params": lin, "attn_flops": attn_flops, "ms": ms,
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.forward(batch)
+        torch.cuda.synchronize()
+    agg: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            agg[ev.name[:90]] = agg.get(ev.name[:90], 0.0) + ev.device_time_total / 1e3
+    top = sorted(agg.items(), key=lambda kv: -kv[1])[:12]
+    for k, v in top:
+        print(f"  prefill kernel {v:8.2f} ms  {k}", flush=True)
+    out = {"kernels_top_ms": top, "tokens": T, "flops": flops, "linear_params": lin, "attn_flops": attn_flops, "ms": ms,
            "floor_ms": floor_ms, "frac_of_floor": floor_ms / ms, "achieved_TFLOPs": flops / ms / 1e9,
            "chunked_4x_ms": ms_chunked, "chunked_frac_of_floor": floor_ms / ms_chunked}
     print(json.dumps(out), flush=True)
@@ -353,7 +418,7 @@ def prefill(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("sections", nargs="+",
-                   choices=["ceilings", "correctness", "decode", "prefill", "transfer", "pd"])
+                   choices=["ceilings", "correctness", "decode", "prefill", "profile", "transfer", "pd"])
     p.add_argument("--out", default="bench/results/gpu_h200.json")
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--batches", default="1,8,32,128")

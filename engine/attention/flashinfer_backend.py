@@ -63,12 +63,13 @@ class FlashInferAttentionBackend(AttentionBackend):
     """Paged attention through flashinfer (bf16/fp16 K/V on CUDA).
 
     Extra args: ``prefill_backend`` ("fa2" | "fa3" | "auto"), ``decode_tensor_cores`` (flashinfer's
-    tensor-core decode, worthwhile for large GQA groups).
+    tensor-core decode; default: only where the CUDA-core kernel lacks the GQA group size, e.g. 7 for
+    Qwen2.5-7B's 28/4 heads).
     Raises ValueError for a CPU pool or a float32 pool (flashinfer kernels take half types).
     """
 
     def __init__(self, kv_pool, req_to_token_pool, num_heads, num_kv_heads, head_dim, scale=None,
-                 prefill_backend: str = "fa2", decode_tensor_cores: bool = False):
+                 prefill_backend: str = "fa2", decode_tensor_cores: bool | None = None):
         super().__init__(kv_pool, req_to_token_pool, num_heads, num_kv_heads, head_dim, scale)
         if kv_pool.device.type != "cuda":
             raise ValueError("attention_backend: flashinfer needs a CUDA KV pool")
@@ -81,6 +82,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                               backend=prefill_backend)
+        if decode_tensor_cores is None:  # flashinfer's CUDA-core decode kernel covers GQA groups 1-4 and 8
+            decode_tensor_cores = num_heads // num_kv_heads not in (1, 2, 3, 4, 8)
         self.decode_tensor_cores = decode_tensor_cores
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=decode_tensor_cores)
