@@ -252,7 +252,15 @@ class RadixCache:
 
         Returns:
             Pages moved from evictable to protected by this call.
+        Raises:
+            RuntimeError: ``node`` was evicted (an unlocked node was held across an ``evict``);
+                nothing changes.
         """
+        cur = node
+        while cur is not self.root:
+            if cur.parent is None:
+                raise RuntimeError("inc_lock_ref on an evicted node: lock it right after match_prefix")
+            cur = cur.parent
         moved = 0
         while node is not self.root:
             if node.lock_ref == 0:

@@ -123,6 +123,8 @@ def test_eviction_is_lru_over_unlocked_leaves():
     f.check(idle=True)
     assert f.cache.evict(10) == 2 and f.cache.total_size() == 0
     assert f.alloc.num_free == 32
+    with pytest.raises(RuntimeError):  # n100 was evicted: locking it now would leak a lock
+        f.cache.inc_lock_ref(n100)
     s = f.cache.stats()
     assert (s.inserted_pages_total, s.evicted_pages_total, s.node_count) == (6, 6, 0)
 
