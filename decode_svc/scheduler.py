@@ -289,6 +289,7 @@ class DecodeScheduler:
         job.state = JobState.TRANSFER
         job.t_prealloc = time.monotonic()
         job.dest_state = "sending"
+        log.debug("prealloc room=%d len=%d pre_len=%d dst=%s", job.room, n, pre, job.dst_pages)
         M.DECODE_PROMPT_TOKENS.inc(n)
         M.DECODE_PREFIX_HIT_TOKENS.inc(pre)
         dest = prefill_pb2.KVDestination(room=job.room, decode_segment=self.segment_name,
@@ -302,6 +303,7 @@ class DecodeScheduler:
         """SetDestination finished: state accepted | rejected (P holds nothing) | unknown."""
         job = self._jobs.get(room)
         q = self._quarantine.get(room)
+        log.debug("destination room=%d %s %s", room, state, error)
         if job is not None and job.state is JobState.TRANSFER:
             job.dest_state = state
             job.prefill_segment, job.prefill_incarnation = segment, incarnation
@@ -325,6 +327,7 @@ class DecodeScheduler:
             log.warning("undecodable notice from %s (%d bytes)", sender, len(payload))
             return
         room = int(notice.room)
+        log.debug("notice room=%d ok=%s pages=%d from %s", room, notice.ok, notice.pages_sent, sender)
         if room in self._quarantine:
             self._release_quarantine(room)
             return

@@ -9,6 +9,7 @@ SERVING -> one line ``READY <worker-id> grpc=<addr>`` on stdout. SIGTERM/SIGINT 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -72,6 +73,7 @@ class Worker:
         logging.basicConfig(level=args.log_level.upper(),
                             format=f"%(asctime)s %(levelname)s {args.worker_id} %(name)s: %(message)s")
         os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: thread dump
         self.args = args
         self.role = role
         self.worker_id = args.worker_id

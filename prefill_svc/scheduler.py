@@ -360,7 +360,7 @@ class PrefillScheduler:
                 if complete and job.next_page >= end_page:
                     self._queue_notice(job)
             except Exception as e:  # SegmentClosed, BoundsError, ...
-                M.TRANSFER_FAILURES.labels(reason="peer_unreachable").inc()
+                M.TRANSFER_FAILURES.labels(reason="peer_unreachable").inc()  # nothing was submitted
                 self._fail(job, ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV transfer to decode failed: {e}"))
 
     def _submit_pages(self, job: PrefillJob, first: int, end: int) -> None:
@@ -414,15 +414,12 @@ class PrefillScheduler:
                     continue
                 del job.batches[bid]
                 self.transfer.release(bid)
+                # bytes, batch seconds and failures are counted by the transfer engine itself
                 if st.state is State.COMPLETED:
-                    M.TRANSFER_BATCH_SECONDS.observe(time.monotonic() - t0)
                     M.TRANSFER_PAGES.inc(pages)
-                    M.TRANSFER_BYTES.inc(nbytes)
                     job.pages_sent += pages
                     job.bytes_sent += nbytes
                 else:
-                    reason = "timeout" if "deadline" in st.reason or "timed out" in st.reason else "remote_error"
-                    M.TRANSFER_FAILURES.labels(reason=reason).inc()
                     if job.error is None and not job.aborted:
                         job.error = ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {st.reason}")
             if job.notify_id is not None and not job.batches:

@@ -170,3 +170,67 @@ class PDCall:
                     break
                 threading.Event().wait(0.01)
         return r
+
+
+# ---------------------------------------------------------------------- references
+def colocated_generate(prompts, max_tokens: int, *, page_size: int = 16, model: str | None = None,
+                       num_pages: int = 2048, chunked_prefill_size: int = 2048) -> list[list[int]]:
+    """Greedy output ids of the co-located engine (engine.scheduler.Scheduler), all prompts batched."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+    from engine.request import Req
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler
+
+    torch.set_num_threads(1)
+    cfg = EngineConfig(model=model or "smollm2-135m-instruct", page_size=page_size,
+                       num_pages=num_pages, torch_threads=1, max_running_requests=64,
+                       chunked_prefill_size=chunked_prefill_size)
+    runner = ModelRunner(cfg)
+    sched = Scheduler(runner, cfg, set(runner.model_config.eos_token_ids))
+    reqs = [Req(str(i), list(p), SamplingParams(max_tokens=max_tokens, temperature=0.0), None)
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add(r)
+    while sched.has_work():
+        sched.step()
+    return [list(r.output_ids) for r in reqs]
+
+
+def transformers_generate(prompts, max_tokens: int, model: str | None = None) -> list[list[int]]:
+    """Greedy output ids from Hugging Face transformers (fp32, CPU), one prompt at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_store import resolve_model
+
+    path = resolve_model(model or "smollm2-135m-instruct")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([list(p)])
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                            do_sample=False, num_beams=1)
+            out.append(g[0, len(p):].tolist())
+    return out
+
+
+def check_transferred_pages(records: list[dict], result: PDResult, page_size: int) -> tuple[int, int]:
+    """Assert P sent exactly logical pages [pre_len/ps, ceil(len/ps)) of this request, each once,
+    to distinct destination pages. Returns (pages, bytes) transferred."""
+    first = result.chunks[0]
+    pre, n = first.decode_prefix_tokens, first.prompt_tokens
+    batches = [r for r in records if r.get("room") == result.room and r["event"] == "batch"]
+    logical = [p for b in batches for p in b["logical_pages"]]
+    dst = [p for b in batches for p in b["dst_pages"]]
+    want = list(range(pre // page_size, -(-n // page_size)))
+    assert sorted(logical) == want and len(logical) == len(set(logical)), (logical, want)
+    assert len(set(dst)) == len(dst)
+    assert all(b["pre_len"] == pre for b in batches)
+    notices = [r for r in records if r.get("room") == result.room and r["event"] == "notice"]
+    assert len(notices) == 1 and notices[0]["ok"] and notices[0]["pages_sent"] == len(want), notices
+    assert first.kv_pages_transferred == len(want)
+    return len(want), sum(b["bytes"] for b in batches)
