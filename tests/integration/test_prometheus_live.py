@@ -95,7 +95,8 @@ def stack(tmp_path_factory):
         deadline = time.monotonic() + 270
         while not (ep_file.exists() and ep_file.stat().st_size):
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"`halfmoon up` did not come up (rc={proc.poll()}):\n{_tail(tmp / 'up.log')}")
+                children = "\n".join(f"--- {p.name}\n{_tail(p, 20)}" for p in sorted(log_dir.glob("*.log")))
+                pytest.fail(f"`halfmoon up` did not come up (rc={proc.poll()}):\n{_tail(tmp / 'up.log')}\n{children}")
             time.sleep(0.5)
         time.sleep(0.2)  # the file is written in one call; let it land
         endpoints = json.loads(ep_file.read_text())
