@@ -12,7 +12,7 @@ import torch
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
-MAX_TOKENS = 20
+MAX_TOKENS = 16
 PAGE = 16
 
 LONG = (
@@ -71,11 +71,14 @@ def test_greedy_batch_matches_transformers(setup):
     eng.check_invariants(expect_idle=True)
     assert eng.kv_stats().evictable_pages > 0  # finished requests left their pages in the radix cache
 
-    # second pass: prefixes come from the radix cache, tokens unchanged
-    again = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    assert [o.token_ids for o in again] == want
-    assert again[5].cached_tokens == 592  # 600-token prompt: all full pages of prompt[:-1]
-    assert all(0 <= o.cached_tokens <= len(p) - 1 for o, p in zip(again, prompts))
+    # second pass (page-aligned, long and chat prompts): prefixes come from the radix cache, same tokens
+    sub = [1, 2, 5, 6, 7]
+    again = eng.generate([prompts[i] for i in sub], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    assert [o.token_ids for o in again] == [want[i] for i in sub]
+    cached = [o.cached_tokens for o in again]
+    assert cached[2] == 592  # 600-token prompt: all full pages of prompt[:-1]
+    assert cached[0] == 0 and cached[1] == PAGE  # a 16-token prompt keeps its one page to compute
+    assert all(0 < c <= len(prompts[i]) - 1 for c, i in zip(cached[1:], sub[1:]))
     eng.check_invariants(expect_idle=True)
 
 

@@ -98,6 +98,13 @@ def test_pool_pressure_same_tokens(eng, reference):
         small.check_invariants(expect_idle=True)
 
 
+def test_chunked_prefill_same_tokens(eng, reference):
+    small = _small(eng, num_pages=256, chunked_prefill_size=3)  # every prompt spans several extend steps
+    outs = small.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    small.check_invariants(expect_idle=True)
+
+
 def test_preemption_happens_and_recovers(eng, reference):
     small = _small(eng, num_pages=10)
     rids = [small.add_request(p, GREEDY) for p in PROMPTS[:3]]
