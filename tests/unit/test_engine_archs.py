@@ -38,7 +38,7 @@ def test_arch_matches_transformers(name, tmp_path):
     if name == "qwen2":  # random init leaves biases at 0; make them matter
         with torch.no_grad():
             for layer in ref.model.layers:
-                for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):  # HF names
                     p.bias.normal_(0, 0.5)
     if name == "qwen3":
         with torch.no_grad():
