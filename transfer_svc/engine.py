@@ -213,6 +213,14 @@ def _failure_label(reason: str) -> str:
     return "other"
 
 
+def _cuda_context_current(location: str) -> None:
+    """Make the device's primary CUDA context current in the calling (progress) thread: UCX's cuda
+    transports query and copy CUDA memory through the thread's current context."""
+    import torch
+
+    torch.cuda.set_device(int(location.split(":", 1)[1]) if ":" in location else 0)
+
+
 def _default_name() -> str:
     return f"seg-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -584,6 +592,8 @@ class TransferEngine:
 
     def _map(self, ptr, length, location, mem_type) -> Region:
         lib = self._lib
+        if mem_type == ucp.UCS_MEMORY_TYPE_CUDA:
+            _cuda_context_current(location)
         mp = ucp.ucp_mem_map_params_t()
         mp.field_mask = (ucp.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | ucp.UCP_MEM_MAP_PARAM_FIELD_LENGTH
                          | ucp.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE)
@@ -797,11 +807,11 @@ class TransferEngine:
             b = _Batch(bid, seg, total, now + t, started=now)
             b.timeout = t
             self._batches[bid] = b
-            if len(self._batches) > _MAX_KEPT_BATCHES:
-                for old in list(self._batches.values())[: len(self._batches) - _MAX_KEPT_BATCHES]:
-                    if old.state is State.PENDING:
-                        break
-                    del self._batches[old.bid]
+            while len(self._batches) > _MAX_KEPT_BATCHES:
+                oldest = next(iter(self._batches.values()))
+                if oldest.state is State.PENDING:
+                    break
+                self._batches.popitem(last=False)
         return b
 
     def submit(self, seg: Segment, descs: Sequence[tuple[int, int, int]], op: Op = Op.WRITE, *,

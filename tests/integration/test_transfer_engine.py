@@ -159,6 +159,7 @@ def test_peer_killed_mid_batch_fails_and_survivor_continues(tl, peers, engine_fa
     labels = {"reason": "peer_unreachable"}
     failed_before = reg.get_sample_value("halfmoon_transfer_failures_total", labels)
     bid = eng.submit(seg, descs, coalesce=False)
+    nid = eng.send_notify(seg, b"pages ready")  # queued behind the batch
     time.sleep(0.02)
     assert eng.status(bid).state is State.PENDING
     victim.kill()
@@ -169,6 +170,8 @@ def test_peer_killed_mid_batch_fails_and_survivor_continues(tl, peers, engine_fa
     assert elapsed < 5.0 + 1.0
     assert st.reason
     assert reg.get_sample_value("halfmoon_transfer_failures_total", labels) - failed_before == 1
+    nst = eng.wait(nid)
+    assert nst.state is State.FAILED, nst  # never claims pages that did not arrive
     with pytest.raises(SegmentClosed):
         eng.submit(seg, descs[:1])
 
