@@ -211,9 +211,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
 
 def serve(host: str = "127.0.0.1", port: int = 0, *, default_ttl_s: int = 10,
-          max_workers: int = 32) -> tuple[grpc.Server, RegistryServicer, int]:
+          max_workers: int = 256) -> tuple[grpc.Server, RegistryServicer, int]:
     """Start the registry gRPC server (with grpc.health.v1 and reflection) -> (server, servicer,
-    bound port). Each WatchWorkers stream holds one of `max_workers` threads."""
+    bound port). Each open WatchWorkers stream holds one of `max_workers` threads (every
+    RegistryClient keeps one), so size it above the number of workers + routers."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="registry"))
     servicer = RegistryServicer(default_ttl_s=default_ttl_s)

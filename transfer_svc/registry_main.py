@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus /metrics port (0 = pick a free one, -1 = none)")
     parser.add_argument("--ttl", type=int, default=10,
                         help="default lease TTL in seconds (registrations may ask for another)")
+    parser.add_argument("--max-workers", type=int, default=256,
+                        help="gRPC threads; each open WatchWorkers stream holds one")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -29,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ttl <= 0:
         print("--ttl must be > 0 seconds", file=sys.stderr)
         return 2
-    server, servicer, port = serve(args.host, args.port, default_ttl_s=args.ttl)
+    server, servicer, port = serve(args.host, args.port, default_ttl_s=args.ttl,
+                                   max_workers=args.max_workers)
     metrics_port = None
     if args.metrics_port >= 0:
         metrics_port = metrics.start_metrics_server(args.metrics_port, role="registry",
