@@ -214,3 +214,26 @@ def test_chart_args_parse_with_the_real_cli():
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("image.variant=rocm", "image.variant must be one of the following"),
+    ("prefill.gpuss=1", "Additional property gpuss is not allowed"),
+    ("decode.port=70000", "decode.port: Must be less than or equal to 65535"),
+    ("router.prefillPolicy=random", "router.prefillPolicy must be one of the following"),
+    ("cache.volume.hostPath.path=/m,cache.volume.persistentVolumeClaim.claimName=c",
+     "cache.volume must hold one volume source, got [hostPath persistentVolumeClaim]"),
+], ids=["variant", "typo", "port", "policy", "two-volumes"])
+def test_bad_values_are_rejected_with_a_clear_error(bad, message):
+    proc = subprocess.run([_helm(), "template", "hm", str(CHART), "--set", bad], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_cache_volume_is_one_source():
+    def cache(docs):
+        vols = _by(docs, "Deployment", "hm-halfmoon-decode")["spec"]["template"]["spec"]["volumes"]
+        return next(v for v in vols if v["name"] == "cache")
+    assert cache(_render()) == {"name": "cache", "emptyDir": {"sizeLimit": "20Gi"}}
+    assert cache(_render("-f", str(GPU_VALUES))) == {
+        "name": "cache", "persistentVolumeClaim": {"claimName": "halfmoon-models", "readOnly": False}}

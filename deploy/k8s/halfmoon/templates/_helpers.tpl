@@ -48,6 +48,20 @@ halfmoon.io/job: halfmoon-{{ .component }}
 {{- printf "%s:%s" .Values.image.repository $tag -}}
 {{- end -}}
 
+{{/* The cache volume source: cache.volume (exactly one source; null entries ignored), else an emptyDir. */}}
+{{- define "halfmoon.cacheVolumeSource" -}}
+{{- $src := dict -}}
+{{- range $k, $v := .Values.cache.volume -}}
+{{- if not (kindIs "invalid" $v) -}}{{- $_ := set $src $k $v -}}{{- end -}}
+{{- end -}}
+{{- if gt (len $src) 1 -}}
+{{- fail (printf "cache.volume must hold one volume source, got %v" (keys $src | sortAlpha)) -}}
+{{- else if eq (len $src) 0 -}}
+{{- $src = dict "emptyDir" (dict "sizeLimit" .Values.cache.sizeLimit) -}}
+{{- end -}}
+{{- toYaml $src -}}
+{{- end -}}
+
 {{- define "halfmoon.registryAddress" -}}
 {{- printf "%s-registry:%d" (include "halfmoon.fullname" .) (int .Values.registry.port) -}}
 {{- end -}}
@@ -186,7 +200,7 @@ spec:
             - {name: shm, mountPath: /dev/shm}
       volumes:
         - name: cache
-          {{- toYaml $root.Values.cache.volume | nindent 10 }}
+          {{- include "halfmoon.cacheVolumeSource" $root | nindent 10 }}
         - name: tmp
           emptyDir: {}
         - name: shm
