@@ -29,8 +29,12 @@ CASES = {
 }
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_arch_matches_transformers(name, tmp_path):
+def test_arch_matches_transformers(name, device, tmp_path):
     cfg_cls, model_cls, extra = CASES[name]
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**{**BASE, **extra})
@@ -46,21 +50,44 @@ def test_arch_matches_transformers(name, tmp_path):
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     ref.save_pretrained(tmp_path)
-    runner = ModelRunner(EngineConfig(model=str(tmp_path), page_size=4, num_pages=64,
-                                      max_running_requests=2, max_context=128))
+    ref = ref.to(device)
+    runner = ModelRunner(EngineConfig(model=str(tmp_path), page_size=4, num_pages=64, device=device,
+                                      attention_backend="torch", max_running_requests=2, max_context=128))
     assert runner.model_config.arch == {"llama3": "llama", "smollm-tied": "llama"}.get(name, name)
     ids = torch.randint(0, 97, (70,)).tolist()  # positions past original_max_position_embeddings
     with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0]
+        want = ref(torch.tensor([ids], device=device)).logits[0]
     row = runner.req_to_token_pool.alloc()
     slots = runner.allocator.alloc_slots(0, 69, None)
+    assert slots.device.type == device
     runner.req_to_token_pool.write(row, 0, slots)
     pre = 24
-    runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [row], [0], [ids[:pre]], slots[:pre]))
-    got = runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [row], [pre], [ids[pre:69]], slots[pre:]),
+    runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [row], [0], [ids[:pre]], slots[:pre], device))
+    got = runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [row], [pre], [ids[pre:69]], slots[pre:], device),
                          logit_index=torch.arange(69 - pre))
     torch.testing.assert_close(got, want[pre:69], atol=1e-4, rtol=0)
     last = runner.allocator.alloc_slots(69, 70, int(slots[-1]))
     runner.req_to_token_pool.write(row, 69, last)
-    got = runner.forward(ForwardBatch.build(ForwardMode.DECODE, [row], [69], [[ids[69]]], last))
+    got = runner.forward(ForwardBatch.build(ForwardMode.DECODE, [row], [69], [[ids[69]]], last, device))
     torch.testing.assert_close(got[0], want[69], atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+def test_engine_on_gpu_matches_cpu(tmp_path):
+    """The co-located engine (scheduler, torch backend, sampler) on CUDA gives the CPU's greedy tokens."""
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**BASE, "head_dim": 16})).save_pretrained(tmp_path)
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (1, 4, 9, 33)]
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        eng = Engine(str(tmp_path), device=dev, attention_backend="torch", page_size=4, num_pages=64,
+                     max_running_requests=4, max_context=128)
+        outs[dev] = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                                              ignore_eos=True))]
+        seeded = eng.generate(prompts[1], SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
+        assert len(seeded[0].token_ids) == 6
+        eng.check_invariants(expect_idle=True)
+    assert outs["cuda"] == outs["cpu"]
