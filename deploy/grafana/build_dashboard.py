@@ -66,7 +66,7 @@ ROWS = [
           ("histogram_quantile(0.99, sum by (le) (rate(halfmoon_prefill_compute_seconds_bucket[1m])))", "p99")]),
     ]),
     ("Transfer", [
-        ("KV transfer throughput", "timeseries", "decGBs", "KV bytes written to decode workers, GB/s (sender side).",
+        ("KV transfer throughput", "timeseries", "GBs", "KV bytes written to decode workers, GB/s (sender side).",
          [("halfmoon:transfer_bytes:rate1m / 1e9", "GB/s")]),
         ("KV pages transferred", "timeseries", "short", "KV pages written per second (sender side).",
          [("halfmoon:transfer_pages:rate1m", "pages/s")]),
