@@ -152,6 +152,7 @@ class Stack:
     transfer_log: Path
     page_size: int
     procs: list = field(default_factory=list)
+    decodes: dict = field(default_factory=dict)  # worker id -> Proc (decode is the first)
 
     @property
     def prefill_addr(self) -> str:
@@ -171,24 +172,28 @@ class Stack:
 @contextlib.contextmanager
 def start_stack(log_dir: Path, *, page_size: int = 16, prefill_pages: int | None = None,
                 decode_pages: int | None = None, prefill_extra: list[str] = (),
-                decode_extra: list[str] = (), model: str = MODEL):
-    """Registry + one prefill + one decode worker (started concurrently); stopped on exit."""
+                decode_extra: list[str] = (), model: str = MODEL, kv_memory_mb: float = 64,
+                more_decodes: dict[str, list[str]] | None = None):
+    """Registry + one prefill ("prefill-0") + decode "decode-0" (+ ``more_decodes``: worker id ->
+    extra flags), all started concurrently; stopped on exit."""
     log_dir = Path(log_dir)
     tlog = log_dir / "transfer.jsonl"
     reg = start_registry(log_dir)
     procs = [reg]
     try:
         p = start_worker("prefill", reg.address, log_dir, "prefill-0", model=model,
-                         page_size=page_size, num_pages=prefill_pages,
+                         page_size=page_size, num_pages=prefill_pages, kv_memory_mb=kv_memory_mb,
                          extra=["--transfer-log", str(tlog), *prefill_extra], wait=False)
         procs.append(p)
-        d = start_worker("decode", reg.address, log_dir, "decode-0", model=model,
-                         page_size=page_size, num_pages=decode_pages, extra=list(decode_extra),
-                         wait=False)
-        procs.append(d)
-        wait_ready(p)
-        wait_ready(d)
-        yield Stack(reg, p, d, log_dir, tlog, page_size, procs)
+        decodes = {}
+        for wid, extra in {"decode-0": list(decode_extra), **(more_decodes or {})}.items():
+            decodes[wid] = start_worker("decode", reg.address, log_dir, wid, model=model,
+                                        page_size=page_size, num_pages=decode_pages,
+                                        kv_memory_mb=kv_memory_mb, extra=extra, wait=False)
+            procs.append(decodes[wid])
+        for proc in procs[1:]:
+            wait_ready(proc)
+        yield Stack(reg, p, decodes["decode-0"], log_dir, tlog, page_size, procs, decodes)
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -206,7 +211,9 @@ def assert_idle_accounting(stack_or_addrs, timeout: float = 30.0) -> dict:
     """Wait until P and D are idle, then assert free + evictable + locked + owned == pool, no lock,
     room or request slot held. Returns {"prefill": KVAccounting, "decode": KVAccounting}."""
     if isinstance(stack_or_addrs, Stack):
-        targets = [("prefill", stack_or_addrs.prefill_addr), ("decode", stack_or_addrs.decode_addr)]
+        targets = [("prefill", stack_or_addrs.prefill_addr)]
+        targets += [("decode", d.address) for d in stack_or_addrs.decodes.values()
+                    if d.popen.poll() is None]
     else:
         targets = list(stack_or_addrs)
     out = {}

@@ -1,11 +1,12 @@
 """Greedy output through prefill -> decode equals the co-located engine and transformers.
 
-Real processes (registry, P, D) on loopback UCX, SmolLM2-135M fp32. Prompts of 1, 3, 16 (one
-page), 32 (two pages), 37 and ~600 tokens, sent concurrently, twice: the second pass hits both
-radix caches (D: some pages, or all of a page-aligned prompt -> 0 pages move). Matrix: page size
-16 and 1, decode radix cache on and off. Every request's transfer is checked against P's transfer
-log (exactly pages [pre_len/ps, ceil(len/ps)), each once) and the KV accounting must hold after.
-"""
+Real processes (registry, one P, two D's: decode radix cache on / off) on loopback UCX, SmolLM2-135M
+fp32, page size 16 and 1. Prompts of 1, 3, 16 (one page), 32 (two pages), 37 and ~600 tokens, sent
+concurrently, twice per D: the second pass hits the radix caches, so the deltas cover D hits of
+0, some and all pages (a page-aligned, fully cached prompt moves 0 pages) and P hits below, equal
+to and above D's. Every request's transfer is checked against P's transfer log (exactly the pages
+[pre_len/ps, ceil(len/ps)), each once, one ok notice), with page checksums verified on D, and
+the KV accounting must hold afterwards."""
 
 from __future__ import annotations
 
@@ -50,31 +51,39 @@ def reference(prompts):
     return ours
 
 
-@pytest.mark.parametrize("page_size,decode_radix", [(16, True), (16, False), (1, True), (1, False)],
-                         ids=["ps16-radix", "ps16-noradix", "ps1-radix", "ps1-noradix"])
-def test_pd_greedy_matches_colocated_and_transformers(tmp_path, prompts, reference, page_size, decode_radix):
-    extra = [] if decode_radix else ["--disable-decode-radix-cache"]
-    with start_stack(tmp_path, page_size=page_size, decode_extra=extra + ["--kv-checksums"],
-                     prefill_extra=["--kv-checksums"]) as st:
-        drv = PDDriver(st.prefill_addr, st.decode_addr, timeout_s=180)
-        hits = []
-        for attempt in range(2):
-            results = drv.generate_many(prompts, max_tokens=MAX_TOKENS, concurrency=len(prompts))
-            records = st.transfer_records()
-            for p, r, ref in zip(prompts, results, reference):
-                assert r.ok, (len(p), r.decode_error, r.prefill_error)
-                assert r.tokens == ref, (len(p), attempt, r.tokens, ref)
-                assert r.finish_reason in ("length", "stop")
-                check_transferred_pages(records, r, page_size)
-                first = r.chunks[0]
-                assert 0 <= first.cached_tokens <= first.prompt_tokens == len(p)
-                hits.append((attempt, len(p), first.decode_prefix_tokens, first.cached_tokens))
-        d_hits = [h[2] for h in hits if h[0] == 1]
-        if decode_radix:
-            # pass 2: every prompt's full pages are cached on D; a page-aligned prompt moves 0 pages
-            for (_, n, pre, _) in [h for h in hits if h[0] == 1]:
-                assert pre == n // page_size * page_size, hits
-        else:
-            assert not any(d_hits), hits
-        drv.close()
+@pytest.mark.parametrize("page_size", [16, 1], ids=["ps16", "ps1"])
+def test_pd_greedy_matches_colocated_and_transformers(tmp_path, prompts, reference, page_size):
+    """One P serves two D's: decode-0 (decode radix cache on) and decode-1 (off)."""
+    with start_stack(tmp_path, page_size=page_size, decode_extra=["--kv-checksums"],
+                     prefill_extra=["--kv-checksums"],
+                     more_decodes={"decode-1": ["--kv-checksums", "--disable-decode-radix-cache"]}) as st:
+        hits = []  # (decode worker, pass, prompt len, D pre_len, P cached tokens)
+        for wid, d in st.decodes.items():
+            drv = PDDriver(st.prefill_addr, d.address, timeout_s=180)
+            for attempt in range(2):
+                results = drv.generate_many(prompts, max_tokens=MAX_TOKENS, concurrency=len(prompts))
+                records = st.transfer_records()
+                for p, r, ref in zip(prompts, results, reference):
+                    assert r.ok, (wid, len(p), r.decode_error, r.prefill_error)
+                    assert r.tokens == ref, (wid, len(p), attempt, r.tokens, ref)
+                    check_transferred_pages(records, r, page_size)
+                    first = r.chunks[0]
+                    assert 0 <= first.cached_tokens <= first.prompt_tokens == len(p)
+                    assert r.last.completion_tokens == len(r.tokens)
+                    hits.append((wid, attempt, len(p), first.decode_prefix_tokens, first.cached_tokens))
+            drv.close()
+        ps = page_size
+        second = [h for h in hits if h[0] == "decode-0" and h[1] == 1]
+        # pass 2 on the radix decode: every prompt's full pages are cached on D
+        assert all(pre == n // ps * ps for _, _, n, pre, _ in second), hits
+        assert not any(h[3] for h in hits if h[0] == "decode-1"), hits
+        # the delta cases the transfer check above covered: D hit of 0, some and all pages ...
+        assert any(pre == 0 for *_, pre, _ in hits)
+        assert any(n % ps == 0 and pre == n for _, _, n, pre, _ in second)   # all: 0 pages move
+        if ps > 1:
+            assert any(0 < pre < n for _, _, n, pre, _ in second)            # some
+            # ... and P hits below, equal to and above D's
+            assert any(p_hit < pre for *_, pre, p_hit in second)
+            assert any(p_hit == pre > 0 for *_, pre, p_hit in second)
+        assert any(p_hit > pre for *_, pre, p_hit in hits)
         assert_idle_accounting(st)
