@@ -16,8 +16,11 @@ Files (one concept each):
   sampler.py             batch sampling (greedy, temperature, top-k/p, min-p, seed, penalties, logprobs)
   detokenizer.py         incremental detokenizer with stop strings (no split UTF-8 characters)
   scheduler.py           continuous-batching scheduler (co-located), radix cache wiring
-  engine.py              Engine: generate(...) and add_request/step streaming API
-  radix_cache.py         page-aligned radix tree (issue 3, another owner)
+  request.py             Req: one request's token/slot bookkeeping in the scheduler
+  engine.py              Engine: generate(...) and add_request/step streaming API, kv_stats()
+  engine_args.py         command-line flags -> EngineConfig (shared by CLIs and workers)
+  radix_cache.py         page-aligned radix tree (issue 3, another owner); page_hash.py its page keys
+  attention/flashinfer_backend.py, fused_ops.py, cuda_graph_runner.py   GPU path (another owner)
   model_store.py         local model cache (names -> HF directories)
 
 Seams the PD services use: ``ModelRunner`` (drive it directly with ``ForwardBatch.build`` and an
