@@ -14,8 +14,9 @@ groups its role owns (``router`` → router; ``prefill`` → prefill + transfer;
 process therefore never exports all-zero series for quantities another service owns.
 
 Worker identity is **not** a label on every metric: it comes from the scrape target (Prometheus'
-``instance`` label, and on Kubernetes the pod/service labels a ServiceMonitor attaches; the Helm
-chart's metrics Services are per role, so ``job`` names the role). The info gauge
+``instance`` label, and on Kubernetes the ``pod``/``service`` labels a ServiceMonitor attaches). The
+scrape job names the role: ``job="halfmoon-<role>"`` (the Helm chart's ServiceMonitor and
+deploy/prometheus/prometheus-local.yml; the alert rules rely on it). The info gauge
 ``halfmoon_worker_info{role, worker_id, model, version} = 1`` carries the rest; join on
 ``instance`` when a panel needs the worker id, e.g.
 ``halfmoon_decode_kv_pool_usage_ratio * on(instance) group_left(worker_id) halfmoon_worker_info``.
@@ -311,7 +312,7 @@ def build_registry(role: str | None = None, *, worker_id: str = "", model: str =
                  ["role", "worker_id", "model", "version"], registry=reg)
     if role is not None:
         info.labels(role=role, worker_id=worker_id or f"{role}-{os.getpid()}",
-                           model=model, version=_version()).set(1)
+                    model=model, version=_version()).set(1)
     return reg
 
 
