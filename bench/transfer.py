@@ -7,7 +7,8 @@ Every engine runs as two processes on loopback: an *initiator* that writes from 
 buffer and a *target* that owns a 128 MiB destination buffer (and progresses its side). The
 controller (this process) sends "run workload W" to one initiator at a time, alternating engines
 within each repetition, and records the seconds from the first post to remote completion. The first
-repetition is a warm-up and is dropped; after it the controller checks that each target's buffer
+repetition is a warm-up and is dropped. It also records the CPU seconds both processes used per run
+(all threads, `time.process_time`), i.e. GB per CPU-second. After the warm-up the controller checks that each target's buffer
 hashes to what replaying the same copies locally predicts.
 
 Workloads (bytes moved per run in brackets):
@@ -124,9 +125,16 @@ def _tls_env(engine: str) -> dict[str, str]:
 
 
 def _halfmoon_args(engine: str) -> dict:
+    """TransferEngine arguments of a halfmoon-* engine name. Knobs (env): HALFMOON_BENCH_SPIN_S,
+    HALFMOON_BENCH_BUSY_POLL=1."""
+    kw: dict = {"transports": engine.split("-")[1]}
     if engine.endswith("-peer"):  # UCX error-handling mode PEER: sm alone cannot connect in it
-        return {"transports": "sm,tcp", "error_mode": "peer"}
-    return {"transports": engine.split("-")[1]}
+        kw = {"transports": "sm,tcp", "error_mode": "peer"}
+    if os.environ.get("HALFMOON_BENCH_SPIN_S"):
+        kw["spin_s"] = float(os.environ["HALFMOON_BENCH_SPIN_S"])
+    if os.environ.get("HALFMOON_BENCH_BUSY_POLL") == "1":
+        kw["busy_poll"] = True
+    return kw
 
 
 def run_target(engine: str) -> None:
@@ -160,7 +168,9 @@ def run_target(engine: str) -> None:
     _reply(info)
     for line in sys.stdin:
         c = json.loads(line)
-        if c["cmd"] == "sha256":
+        if c["cmd"] == "cpu":
+            _reply({"cpu": time.process_time()})
+        elif c["cmd"] == "sha256":
             _reply({"sha256": hashlib.sha256(buf[c["offset"]:c["offset"] + c["length"]]).hexdigest()})
         elif c["cmd"] == "zero":
             buf[:] = 0
@@ -235,9 +245,11 @@ def run_initiator(engine: str, target: dict) -> None:
             _reply({"ok": True})
         elif c["cmd"] == "run":
             p = prepared[c["name"]]
+            c0 = time.process_time()
             t0 = time.perf_counter()
             run(p)
-            _reply({"seconds": time.perf_counter() - t0})
+            t1 = time.perf_counter()
+            _reply({"seconds": t1 - t0, "cpu": time.process_time() - c0})
         elif c["cmd"] == "exit":
             break
     if engine.startswith("halfmoon"):
@@ -351,17 +363,24 @@ def main(argv: list[str] | None = None) -> int:
     mdst = np.zeros(REGION, dtype=np.uint8)
 
     times: dict[str, dict[str, list[float]]] = {e: {w: [] for w in wnames} for e in live}
+    cpus: dict[str, dict[str, list[float]]] = {e: {w: [] for w in wnames} for e in live}
     verified = {}
     for rep in range(args.reps):
         for w in wnames:
             order = live[rep % len(live):] + live[:rep % len(live)]  # rotate who goes first
             for e in order:
                 if e == "memcpy":
+                    c0 = time.process_time()
                     t = memcpy_run(msrc, mdst, workloads[w])
+                    cpu = time.process_time() - c0
                 else:
-                    t = procs[e][1].ask({"cmd": "run", "name": w})["seconds"]
+                    tgt, ini = procs[e]
+                    before = tgt.ask({"cmd": "cpu"})["cpu"]
+                    r = ini.ask({"cmd": "run", "name": w})
+                    t, cpu = r["seconds"], r["cpu"] + tgt.ask({"cmd": "cpu"})["cpu"] - before
                 if rep > 0:
                     times[e][w].append(t)
+                    cpus[e][w].append(cpu)
         if rep == 0:
             expected = np.zeros(REGION, dtype=np.uint8)
             for w in wnames:  # the target saw every workload once, in this order: replay them
@@ -386,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
             gbs = sorted(nbytes / t / 1e9 for t in ts)
             results[e][w] = {"bytes": nbytes, "ops": len(workloads[w]), "seconds": ts,
                              "gbps_median": statistics.median(gbs), "gbps_min": gbs[0],
-                             "gbps_max": gbs[-1], "us_median": statistics.median(ts) * 1e6}
+                             "gbps_max": gbs[-1], "us_median": statistics.median(ts) * 1e6,
+                             "cpu_seconds": cpus[e][w],
+                             "gb_per_cpu_s_median": statistics.median(
+                                 nbytes / max(c, 1e-6) / 1e9 for c in cpus[e][w])}
 
     def med(e, w):
         return results.get(e, {}).get(w, {}).get("gbps_median")
@@ -423,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
             r = results[e][w]
             cells.append(f"{r['gbps_median']:6.2f} [{r['gbps_min']:5.2f}-{r['gbps_max']:5.2f}]")
         print(f"{e:<14}" + "".join(f"{c:>26}" for c in cells))
+    print("\nCPU efficiency: GB moved per CPU-second of initiator + target processes (all threads),"
+          " median; less sensitive to a loaded machine than wall-clock GB/s")
+    print(f"{'engine':<14}" + "".join(f"{w:>16}" for w in wnames))
+    for e in live:
+        print(f"{e:<14}" + "".join(f"{results[e][w]['gb_per_cpu_s_median']:16.2f}" for w in wnames))
     if "kv_one_page" in wnames:
         print("\nkv_one_page batch latency, median µs: " + ", ".join(
             f"{e} {results[e]['kv_one_page']['us_median']:.0f}" for e in live))

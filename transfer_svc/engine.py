@@ -239,13 +239,15 @@ class TransferEngine:
         resolver: looks segment names up for open_segment(name): an object with
             `get_segment(name, refresh=False) -> SegmentDescriptor` (KeyError if unknown) and
             `invalidate(name)`, i.e. a RegistryClient.
-        spin_s: how long the progress thread keeps polling after activity before sleeping.
+        spin_s: how long the progress thread keeps polling after activity before sleeping, seconds.
+        busy_poll: keep polling (no sleep) while batches are in flight. Off by default: on a small
+            shared machine the spinning thread takes CPU from the peer (measured slower on 2 cores).
     """
 
     def __init__(self, name: str | None = None, *, transports: str | None = None,
                  timeout_s: float = 10.0, error_mode: str = "none", libucp: str | None = None,
                  resolver=None,
-                 spin_s: float = 0.0005, tcp_sockbuf: str = "8m"):
+                 spin_s: float = 0.0005, busy_poll: bool = False, tcp_sockbuf: str = "8m"):
         if error_mode not in ("none", "peer"):
             raise ValueError(f"error_mode must be 'none' or 'peer', got {error_mode!r}")
         if timeout_s <= 0:
@@ -256,6 +258,7 @@ class TransferEngine:
         self.error_mode = error_mode
         self.resolver = resolver
         self.spin_s = spin_s
+        self.busy_poll = busy_poll
         self._lib = ucp.load(libucp)
         self._host_id = host_id()
         self._regions: list[Region] = []
@@ -427,7 +430,7 @@ class TransferEngine:
             if busy:
                 last_activity = now
                 continue
-            if self._cmds or now - last_activity < self.spin_s:
+            if self._cmds or now - last_activity < self.spin_s or (self._inflight and self.busy_poll):
                 continue
             st = lib.ucp_worker_arm(worker)
             if st == ucp.UCS_ERR_BUSY:
