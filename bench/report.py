@@ -101,7 +101,7 @@ def compare_table(results: Sequence[dict[str, Any]], names: Sequence[str]) -> st
         raise ValueError("compare needs at least two results")
     cols = list(names)
     width = max(14, *(len(n) + 2 for n in cols))
-    head = f"{'metric':<18}" + "".join(f"{n:>{width}}" for n in cols) + f"{'ratio 1st':>{width}}"
+    head = f"{'metric':<18}" + "".join(f"{n:>{width}}" for n in cols) + f"{'1st vs 2nd':>{width}}"
     lines = [head, "-" * len(head)]
     for path, label, higher_better in COMPARE_ROWS:
         vals = [_get(r["summary"], path) for r in results]

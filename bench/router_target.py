@@ -7,6 +7,7 @@ decode prefix tokens, KV pages and bytes transferred) and the workers that serve
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import grpc
@@ -76,7 +77,7 @@ class RouterTarget:
         rec = RequestRecord(session_id=req.session_id, turn=req.turn, group=req.group, tag=req.tag)
         send = req
         if self.send_text and req.prompt is not None and req.messages is None:
-            send = BenchRequest(**{**req.__dict__, "prompt_ids": None})
+            send = dataclasses.replace(req, prompt_ids=None)
         msg = to_proto(send, self.model)
         texts: list[str] = []
         rec.start = time.perf_counter()
