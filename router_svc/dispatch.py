@@ -197,7 +197,8 @@ class Dispatcher:
                     if f.code in _CLIENT_CODES:
                         status = "invalid"
                         raise RouterError(f.code, f.detail) from None
-                    log.warning("request %s attempt %d failed before the first token: %s", rid, attempt + 1, f)
+                    log.warning("request %s attempt %d (room %d, %s -> %s) failed before the first token: %s",
+                                rid, attempt + 1, legs.room, p.worker_id, d.worker_id, f)
                     tried |= {p.worker_id, d.worker_id}
                     last = f
                     if attempt + 1 < self.max_attempts:
@@ -292,11 +293,11 @@ class Dispatcher:
             if finish:
                 text += detok.finish(matched or None)
                 matched = detok.matched_stop or matched
+                _finish_usage(usage, legs, n_tokens, chunk)
                 if not chunk.finish_reason:  # the router saw the stop string first: D still runs
                     legs.close(abort=True, reason="stop string matched", background=self._background)
                 else:
                     legs.close(abort=False, reason="", background=self._background)
-                _finish_usage(usage, legs, n_tokens, chunk)
             resp = router_pb2.GenerateResponse(token_ids=chunk.token_ids, text=text, logprobs=chunk.logprobs,
                                                finish_reason=finish, matched_stop=matched or "", **meta)
             if finish:
