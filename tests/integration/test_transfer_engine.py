@@ -34,6 +34,7 @@ def peers():
     started: list[PeerProcess] = []
 
     def start(name, transports, size=REGION, **kw):
+        kw.setdefault("timeout_s", 60.0)
         p = PeerProcess(name, size=size, transports=transports, **kw)
         started.append(p)
         return p
@@ -48,6 +49,7 @@ def engine_factory():
     made: list[TransferEngine] = []
 
     def make(name, transports, **kw):
+        kw.setdefault("timeout_s", 60.0)  # generous: the box may be loaded; failure tests set less
         e = TransferEngine(name, transports=transports, **kw)
         made.append(e)
         return e
