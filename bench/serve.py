@@ -74,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
+    args.count_bound = args.num_requests is not None or args.duration is None
     if args.num_requests is None:
         args.num_requests = DURATION_CAP if args.duration is not None else DEFAULT_REQUESTS
     positive = {"--num-requests": args.num_requests, "--output-len": args.output_len,
@@ -145,7 +146,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         before = _scrape(ep.metrics_urls) if ep.metrics_urls else {}
         from tqdm import tqdm
 
-        bar = tqdm(total=args.num_requests, desc=f"bench {args.workload}", unit="req",
+        bar = tqdm(total=args.num_requests if args.count_bound else None, desc=f"bench {args.workload}", unit="req",
                    disable=args.no_progress, file=sys.stderr)
         try:
             res = await run_load(target, sessions, concurrency=concurrency, request_rate=args.request_rate,
