@@ -12,6 +12,9 @@ Two APIs on one scheduler:
 
 * batch: ``eng.generate(prompts | token-id lists, params) -> list[CompletionOutput]``.
 
+Not thread-safe: one thread owns the engine (a server calls ``add_request``/``abort``/``step`` from
+its engine loop and hands outputs to other threads through queues).
+
 Bad requests raise :class:`~engine.errors.InvalidRequestError` (field named) or
 :class:`~engine.errors.ResourceExhaustedError` from ``add_request`` before anything is allocated;
 the running requests are not affected.
