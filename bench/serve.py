@@ -139,10 +139,15 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     sessions = build_sessions(args, args.num_requests, args.seed)
     warm = build_sessions(args, args.warmup, args.seed + 1_000_003) if args.warmup else []
     concurrency = args.concurrency if (args.concurrency or args.request_rate) else 1
+    if ep.metrics_urls:
+        _scrape(ep.metrics_urls)  # unreachable /metrics: fail before sending anything
     await target.start()
     try:
         if warm:
-            await run_load(target, warm, concurrency=concurrency, max_requests=args.warmup)
+            w = await run_load(target, warm, concurrency=concurrency, max_requests=args.warmup)
+            failed = [r.error for r in w.records if not r.ok]
+            if failed:
+                print(f"warm-up: {len(failed)}/{len(w.records)} requests failed, e.g. {failed[0]}", file=sys.stderr)
         before = _scrape(ep.metrics_urls) if ep.metrics_urls else {}
         from tqdm import tqdm
 
