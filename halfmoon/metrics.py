@@ -333,9 +333,10 @@ def start_metrics_server(port: int, host: str | None = None, *, role: str | None
     return int(server.server_address[1])
 
 
-def stop_metrics_servers() -> None:
-    """Shut down every server started by :func:`start_metrics_server` in this process."""
-    while _servers:
-        server = _servers.pop()
+def stop_metrics_servers(port: int | None = None) -> None:
+    """Shut down the servers started by :func:`start_metrics_server` in this process: every one, or
+    only the one bound to ``port``."""
+    for server in [s for s in _servers if port is None or s.server_address[1] == port]:
+        _servers.remove(server)
         server.shutdown()
         server.server_close()

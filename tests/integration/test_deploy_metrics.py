@@ -19,16 +19,18 @@ from halfmoon import metrics
 @pytest.fixture()
 def served():
     """role -> exposition text, one metrics server per role (stopped afterwards)."""
+    ports = []
     try:
         texts = {}
         for role in metrics.ROLES:
-            port = metrics.start_metrics_server(0, role=role, worker_id=f"{role}-0", model="m")
-            assert port > 0
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            ports.append(metrics.start_metrics_server(0, role=role, worker_id=f"{role}-0", model="m"))
+            assert ports[-1] > 0
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports[-1]}/metrics", timeout=10) as resp:
                 texts[role] = resp.read().decode()
         yield texts
     finally:
-        metrics.stop_metrics_servers()
+        for port in ports:  # only ours: other in-process services may serve metrics too
+            metrics.stop_metrics_servers(port)
 
 
 def _families(text: str) -> set[str]:
@@ -72,3 +74,17 @@ def test_bad_role_or_group_is_rejected():
         metrics.build_registry("scheduler")
     with pytest.raises(ValueError, match="unknown metric group"):
         metrics.build_registry(groups=["router", "kv"])
+
+
+def test_stopping_one_server_leaves_the_others():
+    a = metrics.start_metrics_server(0, role="router")
+    b = metrics.start_metrics_server(0, role="decode")
+    try:
+        metrics.stop_metrics_servers(a)
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{a}/metrics", timeout=5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{b}/metrics", timeout=5) as resp:
+            assert b"halfmoon_decode_running_requests" in resp.read()
+    finally:
+        metrics.stop_metrics_servers(a)
+        metrics.stop_metrics_servers(b)
