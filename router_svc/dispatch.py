@@ -189,8 +189,8 @@ class Dispatcher:
                     first = await self._first_chunk(legs, abort_wait, deadline)
                 except _LegFailure as f:
                     legs.close(abort=True, reason=f"twin leg failed: {f}", background=self._background)
-                    if f.code == grpc.StatusCode.UNAVAILABLE:
-                        self.pool.mark_failed(f.worker, str(f))
+                    if f.code not in _CLIENT_CODES:  # which of the two is down? ask both (<= 1 s)
+                        await asyncio.gather(self.pool.probe(p), self.pool.probe(d))
                     if time.monotonic() >= deadline:
                         status = "timeout"
                         raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed: {f}") from None
@@ -332,7 +332,9 @@ class Dispatcher:
             if exc is not None or chunk is grpc.aio.EOF:
                 code, detail = _code_of(exc) if exc is not None else (grpc.StatusCode.UNAVAILABLE, "stream ended without a finish reason")
                 if code == grpc.StatusCode.UNAVAILABLE:
-                    self.pool.mark_failed(legs.d, detail)
+                    probe = asyncio.ensure_future(self.pool.probe(legs.d))
+                    self._background.add(probe)
+                    probe.add_done_callback(self._background.discard)
                 raise RouterError(grpc.StatusCode.UNAVAILABLE,
                                   f"decode worker {legs.d.worker_id} ({legs.d.address}) failed after {n_tokens} "
                                   f"tokens were sent: {code.name}: {detail}")

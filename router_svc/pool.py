@@ -6,8 +6,9 @@ health-checked and load-polled in the background.
   then ADDED / UPDATED / REMOVED as workers come and go; the stream is re-opened on failure.
 
 Every ``health_interval`` seconds each worker gets a ``grpc.health.v1.Health/Check`` and a
-``GetLoad``. A worker is *healthy* while its check answers SERVING; one failed check, or a call that
-fails with UNAVAILABLE (:meth:`WorkerPool.mark_failed`), makes it unhealthy until a check succeeds.
+``GetLoad``. A worker is *healthy* while its check answers SERVING; one failed check (periodic, or
+the immediate :meth:`WorkerPool.probe` the dispatcher runs on both workers of a failed leg) makes it
+unhealthy until a check succeeds.
 Policies never pick unhealthy or removed workers.
 """
 
@@ -99,12 +100,26 @@ class WorkerPool:
         return policy.pick(preferred if preferred else workers, input_ids)
 
     def mark_failed(self, w: Worker, why: str) -> None:
-        """A call to ``w`` failed with UNAVAILABLE: stop picking it until a health check passes."""
+        """``w`` failed a probe: stop picking it until a health check passes."""
         if w.healthy:
             log.warning("worker %s marked unhealthy: %s", w.worker_id, why)
         w.healthy = False
         w.failures += 1
         self._notify()
+
+    async def probe(self, w: Worker, timeout: float = 1.0) -> bool:
+        """Health-check ``w`` now; on failure mark it unhealthy (a failed leg names a worker, but the
+        fault may be its peer's: a decode worker reports UNAVAILABLE when its prefill died)."""
+        try:
+            resp = await health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                     timeout=timeout)
+            if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                return True
+            why = "health NOT_SERVING"
+        except grpc.aio.AioRpcError as exc:
+            why = f"health check {exc.code().name}"
+        self.mark_failed(w, why)
+        return False
 
     def _notify(self) -> None:
         self.changed.set()

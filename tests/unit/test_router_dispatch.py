@@ -144,7 +144,7 @@ def test_leg_failure_before_first_token_retries_on_other_pair_with_new_room(tok,
     assert ws["p1"].calls == ws["d1"].calls and ws["p1"].calls[0] != first_room     # a new room
     rid = last.request_id
     assert (rid, first_room) in ws["d0"].aborts and (rid, first_room) in ws["p0"].aborts
-    assert health[failing] == 1   # marked unhealthy (until its next health check passes)
+    assert health[failing] == 0   # its health check still passes (probed): not marked, only avoided
 
 
 def test_client_error_from_a_worker_is_not_retried(tok):
