@@ -8,7 +8,9 @@ valid because the allocator hands out whole pages filled in order (engine/page_a
 * EXTEND: ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` over ``[0, seq_len)`` of each
   row; flashinfer aligns the causal mask bottom-right, so the ``extend_len`` queries at positions
   ``prefix_len..seq_len-1`` see the whole cached prefix (prefill with a cached prefix = extend).
-* DECODE: ``BatchDecodeWithPagedKVCacheWrapper``. :class:`engine.cuda_graph_runner.CudaGraphRunner`
+* DECODE: ``BatchDecodeWithPagedKVCacheWrapper`` with tensor-core kernels (3.1-4.1 TB/s of KV read on
+  an H200 vs 2.3-2.8 for the CUDA-core ones; bench/results/GPU_NOTES.md). The
+  :class:`engine.cuda_graph_runner.CudaGraphRunner`
   builds its own graph-mode decode wrappers and calls :meth:`plan_decode` before each replay.
 
 New K/V are stored first (``KVPool.write``: one index_put per K and V), then attention reads the
@@ -21,6 +23,8 @@ Upstream anchors: flashinfer ``decode.py`` / ``prefill.py`` wrappers (plan/run),
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.attention.base import AttentionBackend
@@ -29,13 +33,13 @@ from engine.forward_batch import ForwardBatch, ForwardMode
 WORKSPACE_BYTES = 256 << 20  # flashinfer's float workspace (split-kv partial outputs); 128 MiB recommended
 
 
-def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens_cpu: torch.Tensor, page_size: int,
-               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens_cpu: torch.Tensor,
+               page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """flashinfer page table of requests ``rows`` (int64 [B], on the pool's device).
 
     Returns ``(indptr, indices, last_page_len)``: indptr int32 [B+1] on the CPU (cumulative page
     counts), indices int32 [indptr[-1]] on ``req_to_token``'s device (page ids, computed there without
-    a host sync; written into ``out[:n]`` when given), last_page_len int32 [B] on the CPU (tokens in
+    a host sync), last_page_len int32 [B] on the CPU (tokens in
     each request's last page, 1..page_size). ``seq_lens_cpu``: int64 [B] tokens per request (>= 1).
     """
     seq = seq_lens_cpu.to(torch.int64)
@@ -50,26 +54,21 @@ def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens_cpu: tor
     indptr_dev = indptr.to(dev, non_blocking=True)
     req = torch.searchsorted(indptr_dev, j, right=True) - 1
     pos = (j - indptr_dev[req]) * page_size
-    idx = torch.div(req_to_token[rows.to(dev)[req], pos], page_size, rounding_mode="floor")
-    if out is not None:
-        out[:total].copy_(idx)
-        idx = out[:total]
-    else:
-        idx = idx.to(torch.int32)
+    idx = torch.div(req_to_token[rows.to(dev)[req], pos], page_size, rounding_mode="floor").to(torch.int32)
     return indptr.to(torch.int32), idx, last
 
 
 class FlashInferAttentionBackend(AttentionBackend):
     """Paged attention through flashinfer (bf16/fp16 K/V on CUDA).
 
-    Extra args: ``prefill_backend`` ("fa2" | "fa3" | "auto"), ``decode_tensor_cores`` (flashinfer's
-    tensor-core decode; default: only where the CUDA-core kernel lacks the GQA group size, e.g. 7 for
-    Qwen2.5-7B's 28/4 heads).
+    Extra args: ``prefill_backend`` ("fa2" | "fa3" | "auto"; default env HALFMOON_FLASHINFER_PREFILL,
+    else "fa2"), ``decode_tensor_cores`` (flashinfer's
+    tensor-core decode, the default; False selects the CUDA-core decode kernel).
     Raises ValueError for a CPU pool or a float32 pool (flashinfer kernels take half types).
     """
 
     def __init__(self, kv_pool, req_to_token_pool, num_heads, num_kv_heads, head_dim, scale=None,
-                 prefill_backend: str = "fa2", decode_tensor_cores: bool | None = None):
+                 prefill_backend: str | None = None, decode_tensor_cores: bool | None = None):
         super().__init__(kv_pool, req_to_token_pool, num_heads, num_kv_heads, head_dim, scale)
         if kv_pool.device.type != "cuda":
             raise ValueError("attention_backend: flashinfer needs a CUDA KV pool")
@@ -77,14 +76,17 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ValueError(f"attention_backend: flashinfer needs bf16/fp16 K/V, got {kv_pool.dtype}")
         import flashinfer
 
+        prefill_backend = prefill_backend or os.environ.get("HALFMOON_FLASHINFER_PREFILL", "fa2")
+
         self._fi = flashinfer
         dev = kv_pool.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                               backend=prefill_backend)
-        if decode_tensor_cores is None:  # flashinfer's CUDA-core decode kernel covers GQA groups 1-4 and 8
-            decode_tensor_cores = num_heads // num_kv_heads not in (1, 2, 3, 4, 8)
-        self.decode_tensor_cores = decode_tensor_cores
+        # Tensor-core decode (flashinfer's prefill kernel with one query row per request) read the KV
+        # at 3.1-4.1 TB/s on an H200 against 2.3-2.8 for the CUDA-core kernel (Llama-8B heads, bench/gpu.py
+        # attn_micro), and covers every GQA group size (the CUDA-core one lacks 7: Qwen2.5-7B).
+        self.decode_tensor_cores = True if decode_tensor_cores is None else decode_tensor_cores
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=decode_tensor_cores)
         ps = kv_pool.page_size
