@@ -6,7 +6,7 @@ compiles a small C program against the wheel's headers and compares every size a
 
 Library choice: by default the wheel's `libucp` (`libucx.load_library()`); set `HALFMOON_LIBUCP`
 (or pass `libucp=` to `load()`) to the path of another `libucp.so`, e.g. a system UCX built with
-verbs. Its `libucs` is loaded from the same directory.
+verbs (its `libucs` comes in as a dependency).
 
 Every function here must be called from one thread (the engine's progress thread), except
 `ucp_worker_signal`, which UCX documents as thread-safe.
@@ -211,12 +211,9 @@ class Lib:
     def __init__(self, libucp: str | None = None):
         libucp = libucp or os.environ.get("HALFMOON_LIBUCP") or None
         if libucp:
-            d = os.path.dirname(libucp)
-            ucs_path = os.path.join(d, "libucs.so") if d else "libucs.so"
-            if d and not os.path.exists(ucs_path):
-                ucs_path = os.path.join(d, "libucs.so.0")
-            self.ucs = ctypes.CDLL(ucs_path, ctypes.RTLD_GLOBAL)
+            # dlsym on libucp's handle also searches its DT_NEEDED libucs (any file name)
             self.ucp = ctypes.CDLL(libucp, ctypes.RTLD_GLOBAL)
+            self.ucs = self.ucp
             self.path = libucp
         else:
             import libucx
