@@ -187,6 +187,18 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, client):
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0).choices[0].text
 
 
+def test_health_and_reflection_served(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(stack.endpoints["router"]["grpc"]) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="halfmoon.v1.Router"))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(ch)
+        assert "halfmoon.v1.Router" in db.get_services()
+        assert db.FindFileContainingSymbol("halfmoon.v1.Router").name == "protos/router.proto"
+
+
 def test_list_models_and_workers(stub, client):
     assert [m.id for m in stub.ListModels(router_pb2.ListModelsRequest()).models] == [MODEL]
     assert [m.id for m in client.models.list().data] == [MODEL]

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -154,3 +155,13 @@ def test_prefill_worker_killed_before_first_token(stack, stub, tok):
             a = get_load(addr, "decode").accounting
             assert a.free_pages + a.evictable_pages + a.locked_pages + a.owned_pages == a.total_pages, a
             assert a.locked_pages == 0 and a.min_lock_ref == 0 and a.held_req_slots == 0, a
+
+
+def test_router_counted_the_retries(stack):
+    text = urllib.request.urlopen(f"http://{stack.endpoints['router']['metrics']}/metrics", timeout=10).read().decode()
+    retries = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("halfmoon_router_retries_total{")}
+    assert retries.get("decode", 0) + retries.get("prefill", 0) >= 2, retries
+    errors = [line for line in text.splitlines() if line.startswith("halfmoon_router_requests_total{")
+              and 'status="error"' in line]
+    assert errors and float(errors[0].rsplit(" ", 1)[1]) >= 1   # the stream cut by the decode kill
