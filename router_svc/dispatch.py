@@ -183,6 +183,7 @@ class Dispatcher:
                 except NoWorkerError as exc:
                     if last is not None:
                         break
+                    status = "rejected"
                     raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy worker: {exc}") from exc
                 legs = _Legs(prep, p, d, secrets.randbits(63), max(0.001, deadline - time.monotonic()))
                 try:
