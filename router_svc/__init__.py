@@ -1,0 +1,18 @@
+"""halfmoon router: what clients call (DESIGN.md §2, §3 steps 1 and 5). Talks to workers only over gRPC.
+
+Files (one concept each):
+  main.py           `halfmoon serve-router`: gRPC server (Router + health + reflection), OpenAI HTTP
+                    (uvicorn, same event loop), /metrics
+  grpc_service.py   halfmoon.v1.Router servicer: Generate (stream), Abort, ListModels, ListWorkers
+  openai_api.py     FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, SSE, OpenAI errors
+  validation.py     request -> PreparedRequest (token ids, sampling with max_tokens); INVALID_ARGUMENT
+                    naming the field, before anything reaches a worker
+  errors.py         RouterError (gRPC code, message, param) and its OpenAI/HTTP mapping
+  tokenizer.py      HF tokenizer + chat template of the model; context window
+  detokenizer.py    streaming detokenizer: UTF-8 safe deltas, stop strings removed
+  dispatch.py       Dispatcher: pick P and D, mint the room, concurrent legs, retry once, Abort both legs
+  pool.py           WorkerPool: static list or registry WatchWorkers; health checks and GetLoad polling
+  worker.py         Worker: router-side state of one worker (stub, health, load)
+  policies.py       round_robin, least_load, power_of_two, cache_aware (one per role)
+  prefix_index.py   page-aligned prefix index per worker for cache_aware (engine.page_hash keys)
+"""
