@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -40,7 +40,6 @@ class Worker:
     dispatched_since_report: int = 0
     inflight: int = 0
     failures: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def available(self) -> bool:
