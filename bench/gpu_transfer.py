@@ -230,21 +230,21 @@ def transfer(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- P/D on two GPUs
-def _runner_cfg(device: str, max_context: int, num_pages: int):
+def _runner_cfg(device: str, max_context: int, num_pages: int, model: str = "llama-3.1-8b"):
     from engine.config import EngineConfig
 
-    return EngineConfig(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", device=device,
+    return EngineConfig(model=model, load_format="dummy", dtype="bfloat16", device=device,
                         page_size=PS, num_pages=num_pages, max_running_requests=8, max_context=max_context,
                         cuda_graph_max_bs=8, disable_radix_cache=True, seed=0)
 
 
-def _decode_worker(conn, transports, max_context: int, num_pages: int) -> None:
+def _decode_worker(conn, transports, max_context: int, num_pages: int, model: str) -> None:
     dev = devices()[1]
     torch.cuda.set_device(dev)
     from engine.forward_batch import ForwardBatch, ForwardMode
     from engine.model_runner import ModelRunner
 
-    r = ModelRunner(_runner_cfg(dev, max_context, num_pages))
+    r = ModelRunner(_runner_cfg(dev, max_context, num_pages, model))
     eng = _engine("decode-gpu1", transports)
     bufs = r.kv_pool.buffers()
     for b in bufs:
@@ -289,16 +289,17 @@ def pd(args) -> dict:
     from transfer_svc.engine import State
 
     transports = getattr(args, "transports", None)
+    model = getattr(args, "model", "llama-3.1-8b")
     max_context, num_pages, max_tokens = 2048, 1024, args.pd_tokens
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_worker, args=(child, transports, max_context, num_pages), daemon=True)
+    proc = ctx.Process(target=_decode_worker, args=(child, transports, max_context, num_pages, model), daemon=True)
     proc.start()
-    res: dict = {"model": "llama-3.1-8b (dummy, seed 0)", "max_tokens": max_tokens, "requests": [],
+    res: dict = {"model": f"{model} (dummy, seed 0)", "max_tokens": max_tokens, "requests": [],
                  "devices": [src_dev, dst_dev]}
     try:
-        p = ModelRunner(_runner_cfg(src_dev, max_context, num_pages))
-        ref = Engine(config=_runner_cfg(src_dev, max_context, num_pages), loaded=(p.model, None))
+        p = ModelRunner(_runner_cfg(src_dev, max_context, num_pages, model))
+        ref = Engine(config=_runner_cfg(src_dev, max_context, num_pages, model), loaded=(p.model, None))
         eng = _engine("prefill-gpu0", transports)
         pbufs = p.kv_pool.buffers()
         for b in pbufs:

@@ -27,7 +27,7 @@ for step in "$@"; do
   echo "=== $step  (t=$(( $(date +%s) - t0 ))s)"
   case "$step" in
     warm) python3 -m bench.gpu_warm 2>&1 | tee -a "$OUT/warm.log" | tail -20; save_cache ;;
-    test) python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/unit/test_gpu_flashinfer.py 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
+    test) python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/unit/test_gpu_flashinfer.py tests/unit/test_gpu_pd.py 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
     bench:*) python3 -m bench.gpu ${step#bench:} --out "$OUT/gpu.json" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^{" ;;
     *) bash -c "$step" 2>&1 | tee -a "$OUT/other.log" | tail -40 ;;
   esac
