@@ -2,8 +2,10 @@
 
     python -m bench.gpu_warm            # norm, rope, activation, decode, prefill (bf16, head_dim 128)
 
-Each module builds into ~/.cache/flashinfer once; scripts/gpu_session.sh saves the .so files so the
-next device call skips this.
+Each module builds into ~/.cache/flashinfer once (decode ~25 s, prefill ~50 s, norm/rope ~60-75 s
+in parallel on 16 cores); scripts/gpu_session.sh saves the .so files and restores them as flashinfer
+AOT modules (<package>/data/aot/), which load in seconds with FLASHINFER_DISABLE_JIT=1 (checked on an
+H200). Restored into ~/.cache/flashinfer instead, flashinfer 0.6.18 rebuilds them (ninja wants its .o).
 """
 
 from __future__ import annotations

@@ -14,9 +14,17 @@ for d in wheels-fi wheels-ucx; do
 done
 export PYTHONPATH=$site:$PWD
 if [ -f gpu-cache/libucx-slim.tgz ]; then tar -xzf gpu-cache/libucx-slim.tgz -C $site; fi  # slim libucx-cu13 (libs only)
-if [ -f gpu-cache/flashinfer-so.tar ]; then mkdir -p ~/.cache && tar -xf gpu-cache/flashinfer-so.tar -C ~/.cache; fi
+# Compiled flashinfer ops: flashinfer 0.6.18 rebuilds a JIT-cache .so unless ninja's .o files are
+# there too, but it loads <package>/data/aot/<module>/<module>.so without building: restore them there.
+if [ -f gpu-cache/flashinfer-so.tar ]; then
+  tmp=$(mktemp -d) && tar -xf gpu-cache/flashinfer-so.tar -C $tmp && mkdir -p $site/flashinfer/data/aot &&
+  for d in $tmp/flashinfer/*/*/cached_ops/*/; do cp -r "$d" $site/flashinfer/data/aot/; done
+  ls $site/flashinfer/data/aot
+fi
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+# save_cache: the .so files this call compiled (copy $OUT/flashinfer-so.tar over gpu-cache/ only when
+# it holds modules the cache lacks; a call that compiled nothing returns an empty tar).
 save_cache() {
   if [ -d ~/.cache/flashinfer ]; then
     (cd ~/.cache && find flashinfer -name '*.so' | tar -cf "$OUT/flashinfer-so.tar" -T -) && ls -la "$OUT/flashinfer-so.tar"
