@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, "decode")
     parser.add_argument("--disable-decode-radix-cache", action="store_true",
                         help="no prefix cache on decode: every prompt page is transferred")
-    parser.add_argument("--kv-wait-timeout", type=float, default=60.0,
+    parser.add_argument("--kv-wait-timeout", type=float, default=180.0,
                         help="seconds a pre-allocated request waits for P's KV and notice")
     parser.add_argument("--fence-timeout", type=float, default=None,
                         help="seconds quarantined destination pages wait for P's notice while P "

@@ -59,6 +59,9 @@ class PrefillPeers:
                 self._post("dest", room, "accepted", resp.prefill_segment, resp.incarnation, "")
             except grpc.RpcError as e:
                 state = "unknown" if e.code() in _AMBIGUOUS else "rejected"
+                details = (e.details() or "").lower()
+                if e.code() == grpc.StatusCode.UNAVAILABLE and ("connect" in details or "refused" in details):
+                    state = "rejected"  # never reached P: nothing was accepted
                 self._post("dest", room, state, "", "", f"{e.code().name}: {e.details()}")
             except Exception as e:  # never lose the outcome
                 self._post("dest", room, "unknown", "", "", repr(e))

@@ -68,6 +68,7 @@ class DecodeJob:
     ids: list[int]
     params: SamplingParams
     prefill_address: str
+    prefill_worker_id: str = ""    # optional (router): P's segment name, for liveness before P answers
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # DecodeChunk | ServiceError | None
     state: JobState = JobState.PREALLOC
     arrived: float = field(default_factory=time.monotonic)
@@ -141,6 +142,9 @@ class DecodeScheduler:
         self._jobs: dict[int, DecodeJob] = {}
         self._order: list[DecodeJob] = []
         self._quarantine: dict[int, Quarantined] = {}
+        self._known_lock = threading.Lock()
+        self._known: set[int] = set()
+        self._rids: dict[str, int] = {}
         self._stop = False
         self._last_liveness = 0.0
         self._thread = threading.Thread(target=self._loop, name="decode-scheduler", daemon=True)
@@ -158,12 +162,18 @@ class DecodeScheduler:
         self._thread.join(timeout=10)
 
     def submit(self, job: DecodeJob) -> None:
+        with self._known_lock:
+            self._known.add(job.room)
+            self._rids[job.request_id] = job.room
         self._inbox.put(("job", job))
 
     def abort(self, room: int, request_id: str, reason: str) -> bool:
-        fut: Future = Future()
-        self._inbox.put(("abort", room, request_id, reason, fut))
-        return fut.result(timeout=30)
+        """Queue an abort (never waits for the scheduler); returns whether the request is known."""
+        with self._known_lock:
+            room = room or self._rids.get(request_id, 0)
+            found = room in self._known
+        self._inbox.put(("abort", room, request_id, reason, None))
+        return found
 
     def load(self) -> common_pb2.LoadReport:
         fut: Future = Future()
@@ -236,12 +246,16 @@ class DecodeScheduler:
             job = msg[1]
             if job.room in self._jobs or job.room in self._quarantine:
                 job.out.put(ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"room {job.room} is in use"))
+                if job.room not in self._jobs:
+                    self._forget(job)
             else:
                 self._jobs[job.room] = job
                 self._order.append(job)
         elif kind == "abort":
             _, room, rid, reason, fut = msg
-            fut.set_result(self._abort(room, rid, reason))
+            found = self._abort(room, rid, reason)
+            if fut is not None:
+                fut.set_result(found)
         elif kind == "load":
             msg[1].set_result(self._load_report())
         elif kind == "notice":
@@ -313,7 +327,8 @@ class DecodeScheduler:
             elif job.aborted:
                 self.net.abort(job.prefill_address, room, job.request_id, job.aborted)
         elif q is not None:
-            q.prefill_segment, q.prefill_incarnation = segment, incarnation
+            if segment:
+                q.prefill_segment, q.prefill_incarnation = segment, incarnation
             if state == "rejected":
                 self._release_quarantine(room)
             elif state == "accepted":
@@ -481,7 +496,8 @@ class DecodeScheduler:
             if quarantine and job.dst_pages:
                 qset = set(job.dst_pages)
                 self._quarantine[job.room] = Quarantined(job.room, list(job.dst_pages),
-                                                         job.prefill_address, job.prefill_segment,
+                                                         job.prefill_address,
+                                                         job.prefill_segment or job.prefill_worker_id,
                                                          job.prefill_incarnation)
                 held = [p for p in job.own if p not in qset]
             first = job.tree_len // ps
@@ -504,9 +520,16 @@ class DecodeScheduler:
             self.r2t.free(job.row)
             job.row = None
         job.state = JobState.DONE
+        self._forget(job)
         self._jobs.pop(job.room, None)
         if job in self._order:
             self._order.remove(job)
+
+    def _forget(self, job: DecodeJob) -> None:
+        with self._known_lock:
+            self._known.discard(job.room)
+            if self._rids.get(job.request_id) == job.room:
+                del self._rids[job.request_id]
 
     def _release_quarantine(self, room: int) -> None:
         q = self._quarantine.pop(room, None)

@@ -44,7 +44,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         job = DecodeJob(request_id=request.request_id, room=int(request.room),
                         ids=list(request.input_ids), params=params,
-                        prefill_address=request.prefill_address)
+                        prefill_address=request.prefill_address,
+                        prefill_worker_id=request.prefill_worker_id)
         if params.stop:
             from engine.detokenizer import IncrementalDetokenizer
 

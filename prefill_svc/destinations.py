@@ -84,6 +84,11 @@ class DestinationBook:
             held = self._held.pop(room, None)
             return held.dest if held else None
 
+    def abort_pending(self, room: int) -> bool:
+        """Whether a destination for ``room`` is buffered (the scheduler's abort answers it)."""
+        with self._lock:
+            return room in self._held
+
     def is_aborted(self, room: int) -> bool:
         with self._lock:
             self._gc_tombstones()

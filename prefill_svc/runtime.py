@@ -46,7 +46,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op torch threads")
     parser.add_argument("--max-running-requests", type=int, default=32)
     parser.add_argument("--max-context", type=int, default=None, help="tokens per request (default: model's)")
-    parser.add_argument("--chunked-prefill-size", type=int, default=2048)
+    parser.add_argument("--chunked-prefill-size", type=int, default=512,
+                        help="max prompt tokens per prefill forward (bounds how long one step blocks)")
     parser.add_argument("--transport", default="sm", help="UCX transports: sm | tcp | a UCX_TLS list")
     parser.add_argument("--transfer-timeout", type=float, default=30.0,
                         help="seconds before a pending KV transfer batch fails")

@@ -148,6 +148,9 @@ class PrefillScheduler:
         self._jobs: dict[int, PrefillJob] = {}  # room -> job
         self._order: list[PrefillJob] = []      # admission order
         self._net = ThreadPoolExecutor(2, thread_name_prefix="prefill-net")
+        self._known_lock = threading.Lock()   # rooms / request ids with a job (for Abort answers)
+        self._known: set[int] = set()
+        self._rids: dict[str, int] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
 
@@ -162,6 +165,9 @@ class PrefillScheduler:
         self._net.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, job: PrefillJob) -> Future:
+        with self._known_lock:
+            self._known.add(job.room)
+            self._rids[job.request_id] = job.room
         self._inbox.put(("job", job))
         return job.reply
 
@@ -172,9 +178,16 @@ class PrefillScheduler:
         return why
 
     def abort(self, room: int, request_id: str, reason: str) -> bool:
-        fut: Future = Future()
-        self._inbox.put(("abort", room, request_id, reason, fut))
-        return fut.result(timeout=30)
+        """Queue an abort (never waits for the scheduler, which may be inside a long forward).
+        Returns whether this worker knows the room (a request or a buffered destination); an
+        unknown room is still tombstoned, so a late Prefill/SetDestination for it is refused."""
+        with self._known_lock:
+            room = room or self._rids.get(request_id, 0)
+            found = room in self._known
+        if room:
+            found = self.book.abort_pending(room) or found
+        self._inbox.put(("abort", room, request_id, reason, None))
+        return found
 
     def load(self) -> common_pb2.LoadReport:
         fut: Future = Future()
@@ -223,6 +236,8 @@ class PrefillScheduler:
             if kind == "job":
                 job = msg[1]
                 if job.room in self._jobs or self.book.is_aborted(job.room):
+                    if job.room not in self._jobs:
+                        self._forget(job)
                     job.reply.set_exception(ServiceError(
                         grpc.StatusCode.ALREADY_EXISTS if job.room in self._jobs else grpc.StatusCode.ABORTED,
                         f"room {job.room} is already in use" if job.room in self._jobs
@@ -233,7 +248,9 @@ class PrefillScheduler:
                     M.PREFILL_PROMPT_TOKENS.inc(len(job.ids))
             elif kind == "abort":
                 _, room, rid, reason, fut = msg
-                fut.set_result(self._abort(room, rid, reason))
+                found = self._abort(room, rid, reason)
+                if fut is not None:
+                    fut.set_result(found)
             elif kind == "load":
                 msg[1].set_result(self._load_report())
             try:
@@ -536,12 +553,19 @@ class PrefillScheduler:
             self.r2t.free(job.row)
             job.row = None
         job.state = JobState.DONE
+        self._forget(job)
         self._jobs.pop(job.room, None)
         if job in self._order:
             self._order.remove(job)
         unclaimed = self.book.release(job.room)
         if unclaimed is not None:  # D's destination arrived but was never used: answer it
             self._notify_failed_async(unclaimed, str(job.error or "prefill request ended"))
+
+    def _forget(self, job: PrefillJob) -> None:
+        with self._known_lock:
+            self._known.discard(job.room)
+            if self._rids.get(job.request_id) == job.room:
+                del self._rids[job.request_id]
 
     # ------------------------------------------------------------------ accounting
     def _load_report(self) -> common_pb2.LoadReport:

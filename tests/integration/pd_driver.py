@@ -174,8 +174,10 @@ class PDCall:
 
 # ---------------------------------------------------------------------- references
 def colocated_generate(prompts, max_tokens: int, *, page_size: int = 16, model: str | None = None,
-                       num_pages: int = 2048, chunked_prefill_size: int = 2048) -> list[list[int]]:
-    """Greedy output ids of the co-located engine (engine.scheduler.Scheduler), all prompts batched."""
+                       num_pages: int = 2048, chunked_prefill_size: int = 2048,
+                       first_alone: bool = False) -> list[list[int]]:
+    """Greedy output ids of the co-located engine (engine.scheduler.Scheduler), all prompts batched
+    (with ``first_alone``, the first prompt runs to completion first, so its prefix is cached)."""
     import torch
 
     from engine.config import EngineConfig
@@ -192,10 +194,12 @@ def colocated_generate(prompts, max_tokens: int, *, page_size: int = 16, model: 
     sched = Scheduler(runner, cfg, set(runner.model_config.eos_token_ids))
     reqs = [Req(str(i), list(p), SamplingParams(max_tokens=max_tokens, temperature=0.0), None)
             for i, p in enumerate(prompts)]
-    for r in reqs:
-        sched.add(r)
-    while sched.has_work():
-        sched.step()
+    waves = [reqs[:1], reqs[1:]] if first_alone else [reqs]
+    for wave in waves:
+        for r in wave:
+            sched.add(r)
+        while sched.has_work():
+            sched.step()
     return [list(r.output_ids) for r in reqs]
 
 
