@@ -20,6 +20,9 @@ from tests.e2e.conftest import reference_ids, router_stub, running_stack, worker
 from tests.integration.conftest import MODEL, assert_idle_accounting
 
 MAX_TOKENS = 8
+# Aborted requests ask for 300-400 tokens: tens of seconds of decoding on 2 CPU cores. Idle within
+# this many seconds therefore shows the abort reached both legs (the request did not just finish).
+ABORT_IDLE_S = 4.0
 LONG_SYSTEM = ("You are a careful assistant for a small museum of maritime history. You answer questions about "
                "lighthouses, ships, harbours and the people who worked there, in plain words and short sentences. "
                "When you do not know, you say so. ") * 2
@@ -134,7 +137,7 @@ def test_client_cancel_frees_both_legs(stack, stub, cases):
     got = [next(call) for _ in range(2)]
     assert any(r.token_ids for r in got)
     call.cancel()
-    assert_idle_accounting(worker_targets(stack))
+    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S)
 
 
 def test_router_abort_by_request_id(stack, stub, cases):
@@ -148,7 +151,7 @@ def test_router_abort_by_request_id(stack, stub, cases):
     assert rest and rest[-1].finish_reason == "abort"
     assert rest[-1].usage.completion_tokens < 400
     assert not stub.Abort(common_pb2.AbortRequest(request_id="abort-me")).found
-    assert_idle_accounting(worker_targets(stack))
+    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S)
 
 
 def test_http_disconnect_frees_both_legs(stack, cases):
@@ -161,7 +164,16 @@ def test_http_disconnect_frees_both_legs(stack, cases):
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
     # closed mid-stream: the router aborts P and D
-    assert_idle_accounting(worker_targets(stack))
+    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S)
+
+
+def test_http_non_stream_client_gone_frees_both_legs(stack, cases):
+    _, inp, _, _ = cases[0]
+    url = f"http://{stack.endpoints['router']['http']}/v1/completions"
+    body = {"model": MODEL, "prompt": inp["text"], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=body, timeout=httpx.Timeout(10, read=1.5))   # gives up, closes the connection
+    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S)
 
 
 def test_deadline_aborts_both_legs(stack, stub, cases):
@@ -169,7 +181,7 @@ def test_deadline_aborts_both_legs(stack, stub, cases):
     with pytest.raises(grpc.RpcError) as ei:
         list(stub.Generate(router_pb2.GenerateRequest(sampling=greedy(300, ignore_eos=True), **inp), timeout=1.5))
     assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert_idle_accounting(worker_targets(stack))
+    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S)
 
 
 def test_bad_input_is_invalid_argument_naming_the_field(stub, client):
