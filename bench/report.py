@@ -38,6 +38,9 @@ def summary_table(result: dict[str, Any]) -> str:
              _row("Target", f"{cfg['target']} {cfg.get('endpoint', '')}".strip()),
              _row("Workload", cfg["workload"]),
              _row("Load", cfg["load"]),
+             _row("Host load average (1 min, before/after)",
+                  f"{cfg['host']['loadavg_1m_before']:.1f} / {cfg['host']['loadavg_1m_after']:.1f}"
+                  f" on {cfg['host']['cpus']} CPUs" if cfg.get("host") else None),
              _row("Successful requests", s["completed"]),
              _row("Errors", s["errors"]),
              _row("Benchmark duration (s)", s["duration_s"]),

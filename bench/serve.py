@@ -18,6 +18,7 @@ import asyncio
 import datetime as dt
 import json
 import math
+import os
 import sys
 import urllib.error
 from pathlib import Path
@@ -139,6 +140,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     sessions = build_sessions(args, args.num_requests, args.seed)
     warm = build_sessions(args, args.warmup, args.seed + 1_000_003) if args.warmup else []
     concurrency = args.concurrency if (args.concurrency or args.request_rate) else 1
+    load_before = os.getloadavg()
     if ep.metrics_urls:
         _scrape(ep.metrics_urls)  # unreachable /metrics: fail before sending anything
     await target.start()
@@ -172,6 +174,9 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     config = {k: v for k, v in vars(args).items() if k not in ("func",)}
     config.update(target=args.target, endpoint=target_args.describe(args, ep), model=model,
                   load=_load_label(args), metrics_urls=ep.metrics_urls,
+                  # other work on the machine skews CPU figures: keep the load averages with the result
+                  host={"cpus": os.cpu_count(), "loadavg_1m_before": load_before[0],
+                        "loadavg_1m_after": os.getloadavg()[0]},
                   started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     result: dict[str, Any] = {"config": config, "summary": summary, "metrics": metrics,
                               "timeline": stats.timeline(res.records, res.t0)}
