@@ -11,8 +11,6 @@ import json
 import os
 
 from bench import endpoints
-from bench.openai_target import OpenAITarget
-from bench.router_target import RouterTarget
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 
@@ -56,10 +54,18 @@ def resolve(args: argparse.Namespace) -> endpoints.Endpoints:
     return endpoints.Endpoints(router=router, openai_url=openai_url, metrics_urls=metrics)
 
 
-def make_target(args: argparse.Namespace, ep: endpoints.Endpoints) -> RouterTarget | OpenAITarget:
+def make_target(args: argparse.Namespace, ep: endpoints.Endpoints):
+    """A :class:`~bench.router_target.RouterTarget` or :class:`~bench.openai_target.OpenAITarget`
+    (imported only when chosen: the ``openai`` package comes with the ``bench`` extra)."""
     if args.target == "router":
+        from bench.router_target import RouterTarget
+
         return RouterTarget(ep.router, model=args.model, send_text=args.send_text,
                             timeout_s=args.request_timeout)
+    try:
+        from bench.openai_target import OpenAITarget
+    except ImportError as e:
+        raise SystemExit(f"--target openai needs the openai package: pip install 'halfmoon[bench]' ({e})") from e
     return OpenAITarget(ep.openai_url, model=args.model, api_key=args.api_key,
                         extra_body=args.extra_body, timeout_s=args.request_timeout)
 
