@@ -132,6 +132,8 @@ def main(argv=None) -> int:
             runner = make()
             for r in measure(runner, args, seed0=1):
                 results.append(dict(engine=name, dtype=dtype, **r))
+                print(f"[{name} {dtype}] {r['metric']} batch {r['batch']}: {r['tokens_per_s']:.1f} tok/s",
+                      file=sys.stderr, flush=True)
             del runner
     table = []
     for r in results:
