@@ -92,6 +92,9 @@ class PDDriver:
                                               input_ids=list(input_ids), sampling=params)
             call._pfut = self.prefill.Prefill.future(preq, timeout=self.timeout_s)
             call._pfut.add_done_callback(call._on_prefill_done)
+        if call._stream is not None:
+            call._reader = threading.Thread(target=call._consume, daemon=True)
+            call._reader.start()
         return call
 
     def generate(self, input_ids, max_tokens: int = 8, params=None, **kw) -> PDResult:
@@ -120,6 +123,7 @@ class PDCall:
         self.driver = driver
         self.result = PDResult(request_id=request_id, room=room)
         self._stream = None
+        self._reader = None
         self._pfut = None
         self._first = threading.Event()
 
@@ -143,22 +147,26 @@ class PDCall:
         if self._pfut is not None:
             self._pfut.cancel()
 
+    def _consume(self) -> None:
+        r = self.result
+        try:
+            for chunk in self._stream:
+                r.chunks.append(chunk)
+                r.tokens.extend(chunk.token_ids)
+                r.logprobs.extend(chunk.logprobs)
+                if chunk.finish_reason:
+                    r.finish_reason = chunk.finish_reason
+                    r.matched_stop = chunk.matched_stop
+                self._first.set()
+        except grpc.RpcError as e:
+            r.decode_error = (e.code().name, e.details() or "")
+            if self._pfut is not None and not self._pfut.done():
+                self._pfut.cancel()
+
     def wait(self) -> PDResult:
         r = self.result
         if self._stream is not None:
-            try:
-                for chunk in self._stream:
-                    self._first.set()
-                    r.chunks.append(chunk)
-                    r.tokens.extend(chunk.token_ids)
-                    r.logprobs.extend(chunk.logprobs)
-                    if chunk.finish_reason:
-                        r.finish_reason = chunk.finish_reason
-                        r.matched_stop = chunk.matched_stop
-            except grpc.RpcError as e:
-                r.decode_error = (e.code().name, e.details() or "")
-                if self._pfut is not None and not self._pfut.done():
-                    self._pfut.cancel()
+            self._reader.join()
         if self._pfut is not None:
             try:
                 self._pfut.result(timeout=self.driver.timeout_s)
