@@ -6,9 +6,12 @@ health-checked and load-polled in the background.
   then ADDED / UPDATED / REMOVED as workers come and go; the stream is re-opened on failure.
 
 Every ``health_interval`` seconds each worker gets a ``grpc.health.v1.Health/Check`` and a
-``GetLoad``. A worker is *healthy* while its check answers SERVING; one failed check (periodic, or
-the immediate :meth:`WorkerPool.probe` the dispatcher runs on both workers of a failed leg) makes it
-unhealthy until a check succeeds.
+``GetLoad``. A worker is *healthy* while its check answers SERVING. It becomes unhealthy, until a
+check passes again, at once when a check fails outright (NOT_SERVING, or the connection is refused /
+reset: the process is gone) — periodic, or the immediate :meth:`WorkerPool.probe` the dispatcher runs
+on both workers of a failed leg — and after ``max_timeouts`` checks in a row that time out (a frozen
+process; a busy one answers within ``check_timeout``, SMG uses 5 s and 3 failures too). A failed
+``GetLoad`` only keeps the previous load report.
 Policies never pick unhealthy or removed workers.
 """
 
@@ -36,14 +39,16 @@ class WorkerPool:
     Args:
         model_names: model names this router serves; registry workers of another model are ignored.
         health_interval: seconds between health checks / load polls of one worker.
-        check_timeout: seconds one check may take before it counts as failed.
+        check_timeout: seconds one check may take before it counts as timed out.
+        max_timeouts: timed-out checks in a row that make a worker unhealthy.
     """
 
     def __init__(self, model_names: tuple[str, ...] = (), health_interval: float = 0.5,
-                 check_timeout: float = 2.0) -> None:
+                 check_timeout: float = 5.0, max_timeouts: int = 3) -> None:
         self.model_names = tuple(model_names)
         self.health_interval = health_interval
         self.check_timeout = check_timeout
+        self.max_timeouts = max_timeouts
         self.workers: dict[str, Worker] = {}
         self.policies: list[Policy] = []
         self._tasks: dict[str, asyncio.Task] = {}
@@ -100,26 +105,50 @@ class WorkerPool:
         return policy.pick(preferred if preferred else workers, input_ids)
 
     def mark_failed(self, w: Worker, why: str) -> None:
-        """``w`` failed a probe: stop picking it until a health check passes."""
+        """Stop picking ``w`` until a health check passes."""
         if w.healthy:
             log.warning("worker %s marked unhealthy: %s", w.worker_id, why)
-        w.healthy = False
-        w.failures += 1
-        self._notify()
+            w.healthy = False
+            self._notify()
 
-    async def probe(self, w: Worker, timeout: float = 1.0) -> bool:
-        """Health-check ``w`` now; on failure mark it unhealthy (a failed leg names a worker, but the
-        fault may be its peer's: a decode worker reports UNAVAILABLE when its prefill died)."""
+    async def _check(self, w: Worker, timeout: float) -> bool | None:
+        """One health check: True (SERVING), False (down: NOT_SERVING, or the connection fails), or
+        None (no answer in time: a worker busy computing on a loaded CPU is slow, not dead)."""
         try:
             resp = await health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                      timeout=timeout)
-            if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                return True
-            why = "health NOT_SERVING"
         except grpc.aio.AioRpcError as exc:
-            why = f"health check {exc.code().name}"
-        self.mark_failed(w, why)
-        return False
+            if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                return None
+            w.last_error = f"health check {exc.code().name}: {exc.details()}"
+            return False
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            w.last_error = "health NOT_SERVING"
+            return False
+        return True
+
+    def _record(self, w: Worker, result: bool | None) -> None:
+        """Apply one check: down at once on False; after ``max_timeouts`` slow checks in a row on None."""
+        if result is True:
+            w.failures = 0
+            if not w.healthy:
+                w.healthy = True
+                log.info("worker %s is healthy", w.worker_id)
+                self._notify()
+            return
+        w.failures += 1
+        if result is None:
+            w.last_error = f"{w.failures} health checks in a row timed out"
+        if result is False or w.failures >= self.max_timeouts:
+            self.mark_failed(w, w.last_error)
+
+    async def probe(self, w: Worker, timeout: float = 1.0) -> bool:
+        """Health-check ``w`` now (a failed leg names a worker, but the fault may be its peer's: a decode
+        worker reports UNAVAILABLE when its prefill died). Returns False when it is down."""
+        result = await self._check(w, timeout)
+        if result is False:
+            self._record(w, result)
+        return result is not False
 
     def _notify(self) -> None:
         self.changed.set()
@@ -127,25 +156,14 @@ class WorkerPool:
 
     # -- polling ----------------------------------------------------------------------------------
     async def _poll(self, w: Worker) -> None:
-        health = health_pb2_grpc.HealthStub(w.channel)
         while not w.removed:
-            try:
-                resp = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.check_timeout)
-                ok = resp.status == health_pb2.HealthCheckResponse.SERVING
-            except grpc.aio.AioRpcError as exc:
-                ok = False
-                if w.healthy:
-                    log.warning("health check of %s failed: %s", w.worker_id, exc.code().name)
-            if ok:
-                try:
+            result = await self._check(w, self.check_timeout)
+            self._record(w, result)
+            if result:
+                try:  # load is advisory: a slow or missing GetLoad keeps the last report
                     w.set_load(await w.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=self.check_timeout))
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                        ok = False
-            if ok != w.healthy:
-                w.healthy = ok
-                log.info("worker %s is %s", w.worker_id, "healthy" if ok else "unhealthy")
-                self._notify()
+                except grpc.aio.AioRpcError:
+                    pass
             await asyncio.sleep(self.health_interval)
 
     # -- sources ----------------------------------------------------------------------------------

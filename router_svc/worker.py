@@ -39,7 +39,8 @@ class Worker:
     load_time: float = 0.0
     dispatched_since_report: int = 0
     inflight: int = 0
-    failures: int = 0
+    failures: int = 0          # health checks failed or timed out in a row
+    last_error: str = ""
 
     @property
     def available(self) -> bool:

@@ -131,7 +131,7 @@ def test_leg_failure_before_first_token_retries_on_other_pair_with_new_room(tok,
         modes = {"p0": "ok", "p1": "ok", "d0": "ok", "d1": "ok", failing: "unavailable"}
         d, prep, ws, servers, tokens = await setup(tok, modes)
         out = await collect(d, prep)
-        health = {w.worker_id: w.failures for w in d.pool.workers.values()}
+        health = {w.worker_id: w.healthy for w in d.pool.workers.values()}
         await teardown(d, servers)
         return out, ws, tokens, health
 
@@ -144,7 +144,7 @@ def test_leg_failure_before_first_token_retries_on_other_pair_with_new_room(tok,
     assert ws["p1"].calls == ws["d1"].calls and ws["p1"].calls[0] != first_room     # a new room
     rid = last.request_id
     assert (rid, first_room) in ws["d0"].aborts and (rid, first_room) in ws["p0"].aborts
-    assert health[failing] == 0   # its health check still passes (probed): not marked, only avoided
+    assert health[failing] is True   # its health check still passes (probed): not marked down, only avoided
 
 
 def test_client_error_from_a_worker_is_not_retried(tok):
@@ -227,3 +227,44 @@ def test_stop_string_seen_by_router_stops_decode(tok):
     assert out[-1].finish_reason == "stop" and out[-1].matched_stop == stop
     assert stop not in "".join(r.text for r in out)
     assert len(ws["d0"].aborts) == 1   # D was still running: the router aborted it
+
+
+def test_pool_health_down_at_once_when_gone_after_three_timeouts_when_slow():
+    from router_svc.worker import Worker
+
+    async def main():
+        pool = WorkerPool(max_timeouts=3)
+        w = Worker("d0", "decode", "127.0.0.1:1", healthy=True)
+        for _ in range(2):
+            pool._record(w, None)           # slow answers: a busy worker
+        assert w.healthy
+        pool._record(w, None)
+        assert not w.healthy and "timed out" in w.last_error
+        pool._record(w, True)
+        assert w.healthy and w.failures == 0
+        pool._record(w, False)              # refused / NOT_SERVING: down at once
+        assert not w.healthy
+        assert make_policy("least_load").pick([w, Worker("d1", "decode", "x", healthy=True)], [1]).worker_id == "d1"
+
+    run(main())
+
+
+def test_pool_marks_not_serving_and_unreachable_workers_down(tok):
+    async def main():
+        d, prep, ws, servers, _ = await setup(tok, {"p0": "ok", "d0": "ok"})
+        closed = WorkerPool()
+        w = closed.add("gone", "decode", "127.0.0.1:1")   # nothing listens there
+        w.healthy = True
+        assert not await closed.probe(w) and not w.healthy
+        await closed.close()
+        await servers[1].stop(None)                         # d0's server goes away
+        d0 = d.pool.workers["d0"]
+        for _ in range(40):
+            if not d0.healthy:
+                break
+            await asyncio.sleep(0.1)
+        healthy = d0.healthy
+        await teardown(d, servers)
+        return healthy
+
+    assert run(main()) is False   # connection refused: down at the next periodic check
