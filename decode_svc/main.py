@@ -13,13 +13,6 @@ from prefill_svc.runtime import Worker, add_common_arguments, engine_config
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, "decode")
-    parser.add_argument("--disable-decode-radix-cache", action="store_true",
-                        help="no prefix cache on decode: every prompt page is transferred")
-    parser.add_argument("--kv-wait-timeout", type=float, default=180.0,
-                        help="seconds a pre-allocated request waits for P's KV and notice")
-    parser.add_argument("--fence-timeout", type=float, default=None,
-                        help="seconds quarantined destination pages wait for P's notice while P "
-                             "is alive (default 2 x --kv-wait-timeout)")
 
 
 def _tokenizer(runner):

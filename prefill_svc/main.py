@@ -13,13 +13,6 @@ from prefill_svc.runtime import Worker, add_common_arguments, engine_config
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, "prefill")
-    parser.add_argument("--destination-timeout", type=float, default=120.0,
-                        help="seconds a request waits for D's KV destination (and an early "
-                             "destination waits for its request) before it fails")
-    parser.add_argument("--disable-radix-cache", action="store_true",
-                        help="no prefix cache on the prefill worker")
-    parser.add_argument("--transfer-log", default=None,
-                        help="append one JSON line per KV batch and notice to this file (tests)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -53,6 +53,21 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                         help="seconds before a pending KV transfer batch fails")
     parser.add_argument("--kv-checksums", action="store_true",
                         help="P sends per-page crc32 checksums in the notice; D verifies them")
+    # role-specific knobs, accepted by both commands so one flag set can start either role
+    parser.add_argument("--destination-timeout", type=float, default=120.0,
+                        help="[prefill] seconds a request waits for D's KV destination (and an early "
+                             "destination waits for its request) before it fails")
+    parser.add_argument("--kv-wait-timeout", type=float, default=180.0,
+                        help="[decode] seconds a pre-allocated request waits for P's KV and notice")
+    parser.add_argument("--fence-timeout", type=float, default=None,
+                        help="[decode] seconds quarantined destination pages wait for P's notice "
+                             "while P is alive (default 2 x --kv-wait-timeout)")
+    parser.add_argument("--disable-decode-radix-cache", action="store_true",
+                        help="[decode] no prefix cache on decode: every prompt page is transferred")
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="[prefill] no prefix cache on the prefill worker")
+    parser.add_argument("--transfer-log", default=None,
+                        help="[prefill] append one JSON line per KV batch and notice to this file")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--log-level", default="INFO")
 
