@@ -240,8 +240,11 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
         lp = _Logprobs(dispatcher, chat)
         stream = dispatcher.generate(prep, arrival=arrival)
         if body.stream:
+            # Run to the first token before answering 200, so that failures before it (no worker,
+            # both attempts failed, a worker's RESOURCE_EXHAUSTED) get their HTTP status and body.
+            first = await anext(stream)
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_stream(stream, rid, model, created, chat, lp, include_usage),
+            return StreamingResponse(_stream(first, stream, rid, model, created, chat, lp, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, stream, rid, model, created, obj, chat, lp)
 
@@ -271,14 +274,19 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
         return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
                 "usage": _usage(last.usage)}
 
-    async def _stream(stream, rid, model, created, chat, lp, include_usage) -> AsyncIterator[bytes]:
+    async def _chain(first, stream):
+        yield first
+        async for resp in stream:
+            yield resp
+
+    async def _stream(first, stream, rid, model, created, chat, lp, include_usage) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": created, "model": model}
         try:
             if chat:
                 yield _sse(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]))
-            async for resp in stream:
+            async for resp in _chain(first, stream):
                 if not resp.text and not resp.finish_reason and not resp.logprobs:
                     continue
                 choice = {"index": 0, "logprobs": lp.convert(resp.logprobs), "finish_reason": resp.finish_reason or None}
