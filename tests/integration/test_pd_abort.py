@@ -51,12 +51,13 @@ def test_abort_queued_and_prefilling(stack):
     a = drv.start(LONG, sampling(4))
     b = drv.start(prompt(1), sampling(4))  # queued behind A's chunks on P
     assert wait_until(lambda: get_load(stack.prefill_addr, "prefill").running_requests >= 1)
-    assert drv.abort(b.result.room, b.result.request_id) == (True, True)
-    assert drv.abort(a.result.room, a.result.request_id)[1]      # mid-prefill on P
+    # (P may not have B's request yet: its room is then tombstoned and the late Prefill refused)
+    assert drv.abort(b.result.room, b.result.request_id)[1]
+    assert drv.abort(a.result.room, a.result.request_id) == (True, True)   # mid-prefill on P
     for call in (a, b):
         r = call.wait()
         assert r.decode_error and r.decode_error[0] == "CANCELLED", r
-        assert r.prefill_error and r.prefill_error[0] == "CANCELLED", r
+        assert r.prefill_error and r.prefill_error[0] in ("CANCELLED", "ABORTED"), r
     assert drv.generate(prompt(2), 4).ok   # survivors keep serving
     assert_idle_accounting(stack)
 
