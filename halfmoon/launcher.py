@@ -41,12 +41,16 @@ _WORKER_RE = re.compile(r"READY (\S+) grpc=(\S+)(?: metrics=(\S*))?")
 _ROUTER_RE = re.compile(r"READY router grpc=(\S+) http=(\S+) metrics=(\S+)")
 
 
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+try:  # loaded here, in the parent: the child between fork and exec must not dlopen (lock held by a thread)
+    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def _pdeathsig() -> None:
+    """Runs in the child between fork and exec: SIGTERM it when the launcher dies (PR_SET_PDEATHSIG)."""
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM)
 
 
 def cpu_count() -> int:
@@ -76,7 +80,7 @@ class Proc:
         with open(self.log, "wb") as out:
             self.popen = subprocess.Popen([sys.executable, "-m", "halfmoon", *self.argv], stdout=out,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                          preexec_fn=_pdeathsig, cwd=os.getcwd())
+                                          start_new_session=True, preexec_fn=_pdeathsig, cwd=os.getcwd())
 
     def poll_ready(self) -> bool:
         if self.match is None:
