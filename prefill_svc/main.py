@@ -26,7 +26,6 @@ def run(args: argparse.Namespace) -> int:
     transfer = w.start_transfer(runner)
     sched = PrefillScheduler(runner, transfer, destination_timeout_s=args.destination_timeout,
                              transfer_log=args.transfer_log, checksums=args.kv_checksums,
-                             reopen=transfer.open_segment,
                              disable_radix_cache=args.disable_radix_cache)
     sched.start()
     servicer = PrefillServicer(sched, transfer, args.worker_id, vocab_size=runner.vocab_size,

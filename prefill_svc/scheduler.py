@@ -124,12 +124,11 @@ class PrefillScheduler:
         destination_timeout_s: a job without a destination this long after arrival fails
             (DEADLINE_EXCEEDED); an unclaimed destination is dropped after the same time.
         transfer_log: path of a JSONL file, one line per submitted batch and per notice, or None.
-        reopen: callable(segment name) -> Segment (re-open a dropped decode segment, may block).
     """
 
     def __init__(self, runner, transfer, *, destination_timeout_s: float = 60.0,
                  transfer_log: str | None = None, checksums: bool = False,
-                 reopen=None, disable_radix_cache: bool = False):
+                 disable_radix_cache: bool = False):
         self.runner = runner
         self.transfer = transfer
         self.ps = runner.page_size
@@ -142,12 +141,12 @@ class PrefillScheduler:
         self.checksums = checksums
         self.geometry = PoolGeometry("layer_major", tuple(b.data_ptr() for b in runner.kv_pool.buffers()),
                                      runner.kv_pool.page_bytes, runner.kv_pool.num_pages)
-        self._reopen = reopen
         self._log = open(transfer_log, "a", buffering=1) if transfer_log else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[int, PrefillJob] = {}  # room -> job
         self._order: list[PrefillJob] = []      # admission order
         self._net = ThreadPoolExecutor(2, thread_name_prefix="prefill-net")
+        self._open_lock = threading.Lock()
         self._known_lock = threading.Lock()   # rooms / request ids with a job (for Abort answers)
         self._known: set[int] = set()
         self._rids: dict[str, int] = {}
@@ -170,6 +169,13 @@ class PrefillScheduler:
             self._rids[job.request_id] = job.room
         self._inbox.put(("job", job))
         return job.reply
+
+    def open_segment(self, name: str):
+        """Open (or reuse) D's segment by name; may block on the registry. One open at a time:
+        concurrent ``open_segment`` calls for one peer created several endpoints, and notifies
+        over them were seen to be lost (transfer engine as of 2026-11-30)."""
+        with self._open_lock:
+            return self.transfer.open_segment(name)
 
     def offer_destination(self, dest: Destination) -> str | None:
         why = self.book.offer(dest)
@@ -522,8 +528,8 @@ class PrefillScheduler:
         def send():
             seg = dest.segment
             try:
-                if not seg.alive and self._reopen is not None:
-                    seg = self._reopen(seg.name)
+                if not seg.alive:
+                    seg = self.open_segment(seg.name)
                 self.transfer.wait(self.transfer.send_notify(seg, payload), timeout_s=10)
             except Exception as e:  # D is gone: its own timeout / registry watch covers it
                 log.info("ok=false notice for room %d not delivered: %s", dest.room, e)

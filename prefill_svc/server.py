@@ -10,7 +10,6 @@ call (router/client gone) aborts its job.
 from __future__ import annotations
 
 import logging
-import threading
 
 import grpc
 
@@ -31,7 +30,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.worker_id = worker_id
         self.vocab_size = vocab_size
         self.max_context = max_context
-        self._open_lock = threading.Lock()
 
     def Prefill(self, request, context):
         try:
@@ -60,10 +58,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if self.sched.book.is_aborted(int(request.room)):
             context.abort(grpc.StatusCode.ABORTED, f"room {request.room} was aborted or has ended")
         try:
-            # one open at a time: concurrent open_segment calls for one peer create several
-            # endpoints, and notifies over them were seen to be lost (transfer engine, 2026-11-30)
-            with self._open_lock:
-                seg = self.transfer.open_segment(request.decode_segment)
+            seg = self.sched.open_segment(request.decode_segment)
         except Exception as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"decode_segment: cannot open {request.decode_segment!r}: {e}")
