@@ -11,6 +11,8 @@ Metrics (tokens/s, higher is better; median of ``--repeats``):
 * ``decode`` at batch 1 and 8: 32-token prompts, ``--decode-tokens`` new tokens each (EOS ignored);
   tokens/s = batch * (new tokens - 1) / (total time - time of the first token).
 
+Both engines stay loaded and each repetition alternates which runs first (the box is shared, and
+load from other processes would otherwise favour whichever ran in a quieter minute).
 The JSON (stdout, or ``--json``) has every measurement, the ratio halfmoon / transformers per row,
 and the machine's load average before and after (other processes share this box; read figures
 with that in mind). A table goes to stderr.
@@ -85,28 +87,46 @@ class TransformersRunner:
         return time.perf_counter() - t
 
 
-def measure(runner, args, seed0: int) -> list[dict]:
-    rows = []
-    seed = [seed0]
+def measure(runners: dict, args) -> list[dict]:
+    """Both engines loaded; each repetition runs the same prompts on one engine, then the other
+    (alternating which goes first), so load from other processes hits both alike."""
+    vocab = next(iter(runners.values())).vocab
+    seed = [0]
 
     def fresh(n, b):
         seed[0] += 1
-        return [_rand_ids(n, runner.vocab, seed[0] * 100 + i) for i in range(b)]
+        return [_rand_ids(n, vocab, seed[0] * 100 + i) for i in range(b)]
 
-    runner.first_token_time(fresh(16, 1))  # warm-up
-    times = [runner.first_token_time(fresh(args.prompt_len, 1)) for _ in range(args.repeats)]
-    ttft = statistics.median(times)
-    rows.append(dict(metric="prefill", batch=1, tokens_per_s=args.prompt_len / ttft, seconds=ttft,
-                     prompt_len=args.prompt_len))
+    def order(rep):
+        names = list(runners)
+        return names if rep % 2 == 0 else names[::-1]
+
+    warm = fresh(16, 1)
+    for r in runners.values():
+        r.first_token_time(warm)
+    rows = []
+    ttft = {n: [] for n in runners}
+    for rep in range(args.repeats):
+        prompts = fresh(args.prompt_len, 1)
+        for n in order(rep):
+            ttft[n].append(runners[n].first_token_time(prompts))
+    for n in runners:
+        t = statistics.median(ttft[n])
+        rows.append(dict(engine=n, metric="prefill", batch=1, tokens_per_s=args.prompt_len / t, seconds=t,
+                         prompt_len=args.prompt_len))
     for b in (1, 8):
-        n = args.decode_tokens
-        first, total = [], []
-        for _ in range(args.repeats):
+        k = args.decode_tokens
+        first = {n: [] for n in runners}
+        total = {n: [] for n in runners}
+        for rep in range(args.repeats):
             prompts = fresh(32, b)
-            first.append(runner.first_token_time(prompts))
-            total.append(runner.generate_time(prompts, n))
-        dt = statistics.median(total) - statistics.median(first)
-        rows.append(dict(metric="decode", batch=b, tokens_per_s=b * (n - 1) / dt, seconds=dt, new_tokens=n))
+            for n in order(rep):
+                first[n].append(runners[n].first_token_time(prompts))
+                total[n].append(runners[n].generate_time(prompts, k))
+        for n in runners:
+            dt = statistics.median(total[n]) - statistics.median(first[n])
+            rows.append(dict(engine=n, metric="decode", batch=b, tokens_per_s=b * (k - 1) / dt, seconds=dt,
+                             new_tokens=k))
     return rows
 
 
@@ -127,14 +147,12 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     results = []
     for dtype in args.dtypes.split(","):
-        for name, make in (("halfmoon", lambda: HalfmoonRunner(str(path), dtype, 8)),
-                           ("transformers", lambda: TransformersRunner(path, dtype))):
-            runner = make()
-            for r in measure(runner, args, seed0=1):
-                results.append(dict(engine=name, dtype=dtype, **r))
-                print(f"[{name} {dtype}] {r['metric']} batch {r['batch']}: {r['tokens_per_s']:.1f} tok/s",
-                      file=sys.stderr, flush=True)
-            del runner
+        runners = {"halfmoon": HalfmoonRunner(str(path), dtype, 8), "transformers": TransformersRunner(path, dtype)}
+        for r in measure(runners, args):
+            results.append(dict(dtype=dtype, **r))
+            print(f"[{r['engine']} {dtype}] {r['metric']} batch {r['batch']}: {r['tokens_per_s']:.1f} tok/s",
+                  file=sys.stderr, flush=True)
+        del runners
     table = []
     for r in results:
         if r["engine"] != "halfmoon":
