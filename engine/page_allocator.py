@@ -47,7 +47,9 @@ class PageAllocator:
             if not 0 <= p < self.num_pages or self._is_free[p] or p in seen:
                 raise ValueError(f"free of page {p}: out of range or already free")
             seen.add(p)
-        for p in pages:
+        # Push in descending order so the next alloc() pops them ascending: pages freed together
+        # come back as one contiguous run, which keeps KV transfers to few large puts.
+        for p in sorted(pages, reverse=True):
             self._is_free[p] = 1
             self._free.append(p)
 

@@ -126,7 +126,7 @@ async def serve(args: argparse.Namespace) -> int:
     await server.stop(grace=2.0)
     await asyncio.wait({http_task}, timeout=5.0)
     await pool.close()
-    stop_metrics_servers()
+    stop_metrics_servers(metrics_port)
     return 0
 
 

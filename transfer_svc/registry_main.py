@@ -45,5 +45,6 @@ def run(args: argparse.Namespace) -> int:
     done.wait()
     servicer.stop()
     server.stop(grace=1.0).wait()
-    metrics.stop_metrics_servers()
+    if metrics_port is not None:
+        metrics.stop_metrics_servers(metrics_port)
     return 0

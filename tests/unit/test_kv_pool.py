@@ -112,3 +112,13 @@ def test_pages_for_budget():
     with pytest.raises(ValueError):
         pages_for_budget(100, **kw)
     assert parse_bytes("512MB") == 512 * 10**6 and parse_bytes("0.5") == 0.5 and parse_bytes("1024") == 1024
+
+
+def test_freed_pages_come_back_as_ascending_runs():
+    """Pages freed together are handed out again in ascending order (few, large transfer runs)."""
+    from engine.page_allocator import PageAllocator
+
+    alloc = PageAllocator(num_pages=32, page_size=4)
+    first = alloc.alloc(32)
+    alloc.free(first[10:20][::-1])  # freed newest-first, as a request's release may do
+    assert alloc.alloc(10) == list(range(10, 20))
