@@ -10,6 +10,9 @@ import pytest
 from halfmoon import cli
 from tests.e2e import bench_live
 
+# A hung stack fails in minutes, not at the suite-wide 600 s (stack start-up included on first use).
+pytestmark = pytest.mark.timeout(300)
+
 PAGE = 16          # halfmoon up's default page size (tokens)
 PREFIX, SUFFIX = 3 * PAGE, PAGE
 
@@ -21,8 +24,8 @@ def endpoints():
 
 def _serve(endpoints, tmp_path, *extra):
     out = tmp_path / "result.json"
-    rc = cli.main(["bench", "serve", "--endpoints", endpoints, "--warmup", "0", "--no-progress",
-                   "--output", str(out), *extra])
+    rc = cli.main(["bench", "serve", "--endpoints", endpoints, "--request-timeout", "120", "--warmup", "0",
+                   "--no-progress", "--output", str(out), *extra])
     return rc, json.loads(out.read_text())
 
 

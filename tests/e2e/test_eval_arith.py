@@ -8,6 +8,9 @@ from bench import gsm8k
 from halfmoon import cli
 from tests.e2e import bench_live
 
+# A hung stack fails in minutes, not at the suite-wide 600 s (stack start-up included on first use).
+pytestmark = pytest.mark.timeout(300)
+
 
 @pytest.fixture(scope="module")
 def endpoints():
@@ -16,8 +19,8 @@ def endpoints():
 
 def test_arith_two_passes_same_tokens_fewer_pages(endpoints, tmp_path):
     out = tmp_path / "arith.json"
-    rc = cli.main(["eval", "arith", "--endpoints", endpoints, "--num-questions", "8", "--concurrency", "2",
-                   "--max-tokens", "16", "--passes", "2", "--no-progress", "--output", str(out)])
+    rc = cli.main(["eval", "arith", "--endpoints", endpoints, "--request-timeout", "120", "--num-questions", "8",
+                   "--concurrency", "2", "--max-tokens", "16", "--passes", "2", "--no-progress", "--output", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     p1, p2 = res["passes"]
@@ -42,8 +45,9 @@ def test_gsm8k_few_questions(endpoints, tmp_path):
     except gsm8k.DataNotFoundError as e:
         pytest.skip(f"GSM8K data not present: {e}")
     out = tmp_path / "gsm8k.json"
-    rc = cli.main(["eval", "gsm8k", "--endpoints", endpoints, "--num-questions", "2", "--num-shots", "1",
-                   "--max-tokens", "24", "--concurrency", "2", "--no-progress", "--output", str(out)])
+    rc = cli.main(["eval", "gsm8k", "--endpoints", endpoints, "--request-timeout", "120", "--num-questions", "2",
+                   "--num-shots", "1", "--max-tokens", "24", "--concurrency", "2", "--no-progress",
+                   "--output", str(out)])
     assert rc == 0
     (p,) = json.loads(out.read_text())["passes"]
     assert p["questions"] == 2 and p["errors"] == 0

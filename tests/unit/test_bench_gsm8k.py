@@ -26,7 +26,8 @@ def test_reference_answer_reads_the_hash_line():
 
 def test_prompt_format():
     rows = [{"question": "Q1?", "answer": "a1\n#### 1"}, {"question": "Q2?", "answer": "a2\n#### 2"}]
-    assert gsm8k.few_shot_prefix(rows, 2) == "Question: Q1?\nAnswer: a1\n#### 1\n\nQuestion: Q2?\nAnswer: a2\n#### 2\n\n"
+    assert gsm8k.few_shot_prefix(rows, 2) == (
+        "Question: Q1?\nAnswer: a1\n#### 1\n\nQuestion: Q2?\nAnswer: a2\n#### 2\n\n")
     assert gsm8k.example(rows[0], False) == "Question: Q1?\nAnswer:"
     with pytest.raises(ValueError, match="num_shots"):
         gsm8k.few_shot_prefix(rows, 3)
