@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from prefill_svc.runtime import Worker, add_common_arguments, engine_config
+from pd_common.worker_runtime import Worker, add_common_arguments, engine_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

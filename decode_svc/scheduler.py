@@ -41,7 +41,7 @@ from engine.radix_cache import RadixCache
 from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
 from halfmoon import metrics as M
-from prefill_svc.protocol import page_checksums, token_logprob
+from pd_common.protocol import page_checksums, token_logprob
 from protos import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("halfmoon.decode")
@@ -597,9 +597,10 @@ class DecodeScheduler:
         M.DECODE_QUEUE.labels(queue="waiting").set(c[JobState.WAITING])
         M.DECODE_RUNNING.set(c[JobState.RUNNING])
         total = self.alloc.num_pages
-        M.DECODE_KV_USAGE.set(1.0 - self.alloc.num_free / total)
         ev = self.cache.evictable_size() if self.cache else 0
         lk = self.cache.protected_size() if self.cache else 0
+        # evictable radix pages are reclaimable, so they don't count as used (SGLang's convention)
+        M.DECODE_KV_USAGE.set(1.0 - (self.alloc.num_free + ev) / total)
         M.DECODE_KV_PAGES.labels(state="free").set(self.alloc.num_free)
         M.DECODE_KV_PAGES.labels(state="evictable").set(ev)
         M.DECODE_KV_PAGES.labels(state="locked").set(lk)

@@ -14,7 +14,7 @@ import grpc
 
 from decode_svc.scheduler import DecodeJob, DecodeScheduler, ServiceError
 from engine.errors import InvalidRequestError
-from prefill_svc.protocol import validate_request
+from pd_common.protocol import validate_request
 from protos import common_pb2, decode_pb2_grpc
 
 log = logging.getLogger("halfmoon.decode")

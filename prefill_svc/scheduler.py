@@ -44,7 +44,7 @@ from engine.sampling_params import SamplingParams
 from halfmoon import metrics as M
 from prefill_svc.destinations import DestinationBook
 from prefill_svc.kv_runs import PoolGeometry, descriptors, merge_runs
-from prefill_svc.protocol import page_checksums, token_logprob
+from pd_common.protocol import page_checksums, token_logprob
 from protos import common_pb2, prefill_pb2
 from transfer_svc.engine import State
 
@@ -396,6 +396,9 @@ class PrefillScheduler:
         descs = descriptors(runs, self.geometry, job.dest.geometry)
         if not job.t_transfer:
             job.t_transfer = time.monotonic()
+        dev = self.r2t.req_to_token.device
+        if dev.type == "cuda":  # the forward's KV writes must land before UCX reads the pages
+            torch.cuda.current_stream(dev).synchronize()
         bid = self.transfer.submit(job.dest.segment, descs)
         nbytes = sum(d[2] for d in descs)
         job.batches[bid] = (time.monotonic(), len(src), nbytes)

@@ -15,7 +15,7 @@ import grpc
 
 from engine.errors import InvalidRequestError
 from prefill_svc.kv_runs import PoolGeometry
-from prefill_svc.protocol import MAX_ROOM, validate_request
+from pd_common.protocol import MAX_ROOM, validate_request
 from prefill_svc.scheduler import Destination, PrefillJob, PrefillScheduler, ServiceError
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 

@@ -12,7 +12,7 @@ from decode_svc.prebuilt import delta_pages, prebuilt_out_cache_loc
 from engine.errors import InvalidRequestError
 from prefill_svc.destinations import DestinationBook
 from prefill_svc.kv_runs import PageRun, PoolGeometry, descriptors, merge_runs
-from prefill_svc.protocol import validate_request
+from pd_common.protocol import validate_request
 from protos import common_pb2, prefill_pb2
 
 

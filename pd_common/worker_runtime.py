@@ -68,7 +68,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                         help="[prefill] no prefix cache on the prefill worker")
     parser.add_argument("--transfer-log", default=None,
                         help="[prefill] append one JSON line per KV batch and notice to this file")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights and KV dtype (bfloat16 on GPUs; fp32 is the CPU reference)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -76,6 +78,7 @@ def engine_config(args, rows: int, disable_radix_cache: bool = False):
     from engine.config import EngineConfig
 
     return EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
+                        dtype=args.dtype,
                         page_size=args.page_size, kv_memory=int(args.kv_memory_mb * (1 << 20)),
                         num_pages=args.num_pages, max_running_requests=rows,
                         max_context=args.max_context, chunked_prefill_size=args.chunked_prefill_size,
@@ -103,7 +106,7 @@ class Worker:
     def start_transfer(self, runner):
         """Transfer engine named after the worker, every K/V buffer registered, plus the registry
         client used as its resolver."""
-        from prefill_svc.protocol import kv_layout
+        from pd_common.protocol import kv_layout
         from transfer_svc.engine import TransferEngine
         from transfer_svc.registry_client import RegistryClient
 
