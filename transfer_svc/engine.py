@@ -272,6 +272,9 @@ class TransferEngine:
         self._batches: collections.OrderedDict[int, _Batch] = collections.OrderedDict()
         self._next_bid = 1
         self._lock = threading.Lock()   # guards _batches, _next_bid, _segments, _regions (caller side)
+        # one open at a time: two racing opens of the same peer would make two endpoints, and
+        # batches/notifies on the one that loses the race would be orphaned
+        self._open_lock = threading.Lock()
         self._cmds: collections.deque = collections.deque()
         self._inflight: list[_Batch] = []   # batches with an outstanding ucp request (thread-owned)
         self._orphans: list[int] = []        # requests of failed batches, freed when they complete
@@ -662,6 +665,11 @@ class TransferEngine:
         descriptor is another one. Raises DescriptorError for malformed descriptors, KeyError for
         an unknown name, SegmentClosed when the owner process on this host is gone, UCXError when
         UCX cannot reach the peer."""
+        with self._open_lock:
+            return self._open_segment(target, incarnation)
+
+    def _open_segment(self, target: str | registry_pb2.SegmentDescriptor,
+                      incarnation: str | None) -> Segment:
         if isinstance(target, str):
             if self.resolver is None:
                 raise TransferError("open_segment(name) needs a resolver (registry client)")

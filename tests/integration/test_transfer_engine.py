@@ -306,3 +306,39 @@ def test_concurrent_submitters(tl, peers, engine_factory):
         t.join()
     assert not errors, errors
     assert peer.sha256(0, 16 * MiB) == hashlib.sha256(src.tobytes()).hexdigest()
+
+
+def test_concurrent_opens_share_one_endpoint(tl, engine_factory):
+    """Threads opening the same peer at once get one Segment; notifies sent through it all arrive.
+
+    Regression: racing opens used to connect one endpoint each and keep only the last, so notifies
+    posted on the others were lost (seen by the PD services under concurrency)."""
+    sender = engine_factory("racer", tl)
+    receiver = engine_factory("target", tl)
+    buf = _buffer(MiB)
+    receiver.register_memory(buf.ctypes.data, buf.nbytes)
+    desc = receiver.publish()
+    segs, errors = [], []
+    barrier = threading.Barrier(6)
+
+    def opener(k: int) -> None:
+        try:
+            barrier.wait()
+            seg = sender.open_segment(desc)
+            segs.append(seg)
+            st = sender.wait(sender.send_notify(seg, f"n{k}".encode()))
+            assert st.state is State.COMPLETED, st
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=opener, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len({id(s) for s in segs}) == 1
+    got, deadline = [], time.monotonic() + 30.0
+    while len(got) < 6 and time.monotonic() < deadline:
+        got += [n.payload for n in receiver.wait_notify(1.0)]
+    assert sorted(got) == sorted(f"n{k}".encode() for k in range(6))
