@@ -146,7 +146,6 @@ class PrefillScheduler:
         self._jobs: dict[int, PrefillJob] = {}  # room -> job
         self._order: list[PrefillJob] = []      # admission order
         self._net = ThreadPoolExecutor(2, thread_name_prefix="prefill-net")
-        self._open_lock = threading.Lock()
         self._known_lock = threading.Lock()   # rooms / request ids with a job (for Abort answers)
         self._known: set[int] = set()
         self._rids: dict[str, int] = {}
@@ -171,11 +170,9 @@ class PrefillScheduler:
         return job.reply
 
     def open_segment(self, name: str):
-        """Open (or reuse) D's segment by name; may block on the registry. One open at a time:
-        concurrent ``open_segment`` calls for one peer created several endpoints, and notifies
-        over them were seen to be lost (transfer engine as of 2026-11-30)."""
-        with self._open_lock:
-            return self.transfer.open_segment(name)
+        """Open (or reuse) D's segment by name; may block on the registry. The transfer engine
+        serializes opens, so racing SetDestination calls for one D share one endpoint."""
+        return self.transfer.open_segment(name)
 
     def offer_destination(self, dest: Destination) -> str | None:
         why = self.book.offer(dest)
