@@ -41,7 +41,7 @@ from engine.radix_cache import RadixCache
 from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
 from halfmoon import metrics as M
-from pd_common.protocol import page_checksums, token_logprob
+from pd_common.protocol import ServiceError, page_checksums, token_logprob
 from protos import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("halfmoon.decode")
@@ -53,12 +53,6 @@ class JobState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     DONE = "done"
-
-
-class ServiceError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        self.code = code
-        super().__init__(message)
 
 
 @dataclass(eq=False)

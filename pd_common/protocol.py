@@ -22,6 +22,14 @@ from protos import common_pb2, registry_pb2
 MAX_ROOM = (1 << 63) - 1
 
 
+class ServiceError(Exception):
+    """A request ended with a gRPC status: ``code`` (grpc.StatusCode) and the message."""
+
+    def __init__(self, code, message: str):
+        self.code = code
+        super().__init__(message)
+
+
 def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
     """Proto -> engine SamplingParams; unset optional fields take the engine defaults."""
     p = SamplingParams()

@@ -44,7 +44,7 @@ from engine.sampling_params import SamplingParams
 from halfmoon import metrics as M
 from prefill_svc.destinations import DestinationBook
 from prefill_svc.kv_runs import PoolGeometry, descriptors, merge_runs
-from pd_common.protocol import page_checksums, token_logprob
+from pd_common.protocol import ServiceError, page_checksums, token_logprob
 from protos import common_pb2, prefill_pb2
 from transfer_svc.engine import State
 
@@ -57,14 +57,6 @@ class JobState(enum.Enum):
     WAIT_DEST = "waiting_destination"
     TRANSFERRING = "transferring"
     DONE = "done"
-
-
-class ServiceError(Exception):
-    """A request ended with a gRPC status (code, message)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        self.code = code
-        super().__init__(message)
 
 
 @dataclass(eq=False)
