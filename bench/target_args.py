@@ -12,7 +12,7 @@ import os
 
 from bench import endpoints
 
-DEFAULT_ROUTER = "127.0.0.1:50051"
+DEFAULT_ROUTER = "127.0.0.1:50050"  # `halfmoon up`'s router gRPC port (base port)
 
 
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
