@@ -30,7 +30,8 @@ Engines:
                                sm,tcp (NIXL does not connect with sm alone); 8 MiB socket buffers
   mooncake-tcp                 Mooncake transfer engine (P2PHANDSHAKE, tcp), batch_transfer_sync_write
   memcpy                       numpy copies of the same descriptors inside one process (ceiling)
-A peer whose package is missing is reported as skipped.
+A peer whose package is missing is reported as skipped (install them with
+`pip install -e '.[transfer-peers]'`; Mooncake also needs Debian libibverbs1).
 """
 
 from __future__ import annotations
