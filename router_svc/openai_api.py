@@ -16,13 +16,13 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from protos import common_pb2, router_pb2
 from router_svc.dispatch import Dispatcher
@@ -30,10 +30,15 @@ from router_svc.errors import RouterError
 from router_svc.validation import DEFAULT_MAX_TOKENS, prepare
 
 
+# The proto fields these map onto are int32: a larger JSON integer is a 400 naming the field, not a
+# protobuf ValueError (HTTP 500) when the GenerateRequest is built.
+Int32 = Annotated[int, Field(ge=-2**31, le=2**31 - 1)]
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str = ""
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
@@ -45,16 +50,16 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     user: str | None = None
     # vLLM / SGLang extras
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int32] | None = None
     request_id: str | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Int32] | list[str] | list[list[Int32]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -68,9 +73,9 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
 
 
 def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
