@@ -76,13 +76,17 @@ def run_remote(args: argparse.Namespace) -> int:
     from protos import common_pb2, router_pb2, router_pb2_grpc
 
     address = args.router or os.environ.get("HALFMOON_ROUTER", "127.0.0.1:50050")
-    sp = common_pb2.SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-        stop=list(args.stop), ignore_eos=args.ignore_eos)
-    if args.seed is not None:
-        sp.seed = args.seed
+    try:  # an int past the proto field (int32 max_tokens/top_k, uint64 seed) is bad input, not a traceback
+        sp = common_pb2.SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+            stop=list(args.stop), ignore_eos=args.ignore_eos)
+        if args.seed is not None:
+            sp.seed = args.seed
+    except ValueError as e:
+        print(f"error: INVALID_ARGUMENT: sampling flags: {e}", file=sys.stderr)
+        return 2
     req = router_pb2.GenerateRequest(sampling=sp)
     if args.chat:
         req.chat.messages.add(role="user", content=args.prompt)

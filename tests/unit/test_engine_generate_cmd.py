@@ -20,3 +20,13 @@ def test_offline_generate(model_dir):
     assert p.returncode == 0, p.stderr
     assert "Paris" in p.stdout
     assert "completion" in p.stderr
+
+
+def test_remote_generate_out_of_range_flag_is_exit_2():
+    """An int past the proto field (int32 --max-tokens, uint64 --seed) is rejected before connecting
+    (no router listens on port 1): exit 2 with an error line, no traceback."""
+    for flags in (["--max-tokens", str(2**40)], ["--seed", "-1"]):
+        p = subprocess.run([sys.executable, "-m", "halfmoon", "generate", "hi", "--router", "127.0.0.1:1", *flags],
+                           capture_output=True, text=True, timeout=120, env=ENV)
+        assert p.returncode == 2, p.stderr
+        assert "INVALID_ARGUMENT" in p.stderr and "Traceback" not in p.stderr
