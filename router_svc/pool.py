@@ -102,7 +102,10 @@ class WorkerPool:
         """
         workers = self.by_role(role)
         preferred = [w for w in workers if w.worker_id not in exclude and w.available]
-        return policy.pick(preferred if preferred else workers, input_ids)
+        try:
+            return policy.pick(preferred if preferred else workers, input_ids)
+        except NoWorkerError:  # say which role is missing (a client sees this in its 503)
+            raise NoWorkerError(f"no healthy {role} worker ({len(workers)} registered)") from None
 
     def mark_failed(self, w: Worker, why: str) -> None:
         """Stop picking ``w`` until a health check passes."""

@@ -117,6 +117,7 @@ def test_http_400_names_the_field(client, path, body, param):
 def test_valid_request_without_workers_is_503(client):
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 503 and "no healthy worker" in r.json()["error"]["message"]
+    assert "no healthy prefill worker (0 registered)" in r.json()["error"]["message"]  # names the missing role
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"  # not a 200 + error event
     assert client.get("/health").status_code == 503
