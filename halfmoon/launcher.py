@@ -318,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
         print_endpoints(ep)
         if args.endpoints_file:
             Path(args.endpoints_file).write_text(json.dumps(ep, indent=1))
+        reported: set[str] = set()
         while stop["sig"] is None:
             dead = stack.dead()
             core = [p for p in dead if p.name in ("router", "registry")]
@@ -326,6 +327,11 @@ def run(args: argparse.Namespace) -> int:
                       f"{core[0].tail()}", file=sys.stderr)
                 rc = 1
                 break
+            for p in dead:  # a worker that dies is said once; the router serves on with the others
+                if p.name not in reported:
+                    reported.add(p.name)
+                    print(f"{p.name} exited (rc={p.popen.returncode}); the stack serves on without it. "
+                          f"Log tail:\n{p.tail()}", file=sys.stderr, flush=True)
             time.sleep(0.2)
     except StackError as exc:
         print(f"up: {exc}", file=sys.stderr)

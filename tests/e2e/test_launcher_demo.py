@@ -65,10 +65,14 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert gen.returncode == 0, gen.stderr
         assert gen.stdout.strip() and "completion 6 tokens" in gen.stderr
+        os.kill(ep["decode"][0]["pid"], signal.SIGKILL)   # a worker dies: up says so and keeps running
+        time.sleep(1.5)
+        assert proc.poll() is None
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert "ENDPOINTS " in out and ep["router"]["grpc"] in out
+        assert "decode-0 exited (rc=-9); the stack serves on without it" in out
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
