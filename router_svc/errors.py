@@ -12,6 +12,7 @@ import grpc
 _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),   # request_id already running
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),

@@ -123,6 +123,14 @@ def test_valid_request_without_workers_is_503(client):
     assert client.get("/health").status_code == 503
 
 
+def test_duplicate_request_id_is_409_not_500():
+    """ALREADY_EXISTS (a request_id that is still running) is the client's conflict, not a server error."""
+    exc = RouterError(grpc.StatusCode.ALREADY_EXISTS, "request_id: 'a' is already running", "request_id")
+    assert exc.http_status == 409
+    assert exc.openai_body()["error"] == {"message": "request_id: 'a' is already running", "param": "request_id",
+                                          "type": "invalid_request_error", "code": "already_exists"}
+
+
 def test_models(client, tok):
     r = client.get("/v1/models").json()
     assert r["object"] == "list" and r["data"][0]["id"] == MODEL
