@@ -190,7 +190,8 @@ class Dispatcher:
                     first = await self._first_chunk(legs, abort_wait, deadline)
                 except _LegFailure as f:
                     legs.close(abort=True, reason=f"twin leg failed: {f}", background=self._background)
-                    if f.code not in _CLIENT_CODES:  # which of the two is down? ask both (<= 1 s)
+                    if f.code not in _CLIENT_CODES + (grpc.StatusCode.RESOURCE_EXHAUSTED,):
+                        # which of the two is down? ask both (<= 1 s)
                         await asyncio.gather(self.pool.probe(p), self.pool.probe(d))
                     if time.monotonic() >= deadline:
                         status = "timeout"
@@ -198,6 +199,15 @@ class Dispatcher:
                     if f.code in _CLIENT_CODES:
                         status = "invalid"
                         raise RouterError(f.code, f.detail) from None
+                    if f.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not any(
+                            w.available and w.worker_id not in tried | {p.worker_id, d.worker_id}
+                            for w in self.pool.by_role(f.leg)):
+                        # workers queue while their pool is busy: this one can never hold the
+                        # request, and no untried worker of that role is left to ask
+                        status = "rejected"
+                        raise RouterError(f.code, f"{f.detail} (prompt + max_tokens does not fit any "
+                                          f"{f.leg} worker's KV pool)", "max_tokens",
+                                          "context_length_exceeded") from None
                     log.warning("request %s attempt %d (room %d, %s -> %s) failed before the first token: %s",
                                 rid, attempt + 1, legs.room, p.worker_id, d.worker_id, f)
                     tried |= {p.worker_id, d.worker_id}

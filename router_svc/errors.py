@@ -13,7 +13,9 @@ _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),   # request_id already running
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    # Workers queue requests while their KV pool is busy; RESOURCE_EXHAUSTED from them means "can
+    # never fit", so it is a 400 (a 429 would make clients retry a request that cannot succeed).
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (400, "invalid_request_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),

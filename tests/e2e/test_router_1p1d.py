@@ -199,6 +199,25 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, client):
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0).choices[0].text
 
 
+def test_request_that_never_fits_the_kv_pool_is_a_400_without_retry(stack, stub, client):
+    """prompt + max_tokens within the context window (8192) but above the decode pool (64 MiB ~ 1456
+    tokens): RESOURCE_EXHAUSTED on gRPC, HTTP 400 context_length_exceeded (not a 429 that clients
+    retry), one attempt only, nothing left held on the workers."""
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stub.Generate(router_pb2.GenerateRequest(text="Tell me a story.", sampling=greedy(4000)),
+                           timeout=60))
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt="Tell me a story.", max_tokens=4000)
+    assert ei.value.body["code"] == "context_length_exceeded" and ei.value.body["param"] == "max_tokens"
+    metrics = httpx.get(f"http://{stack.endpoints['router']['metrics']}/metrics").text
+    retries = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("halfmoon_router_retries_total"))
+    assert retries == 0
+    assert_idle_accounting(worker_targets(stack))
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0).choices[0].text
+
+
 def test_health_and_reflection_served(stack):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
