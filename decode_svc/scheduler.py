@@ -41,7 +41,7 @@ from engine.radix_cache import RadixCache
 from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
 from halfmoon import metrics as M
-from pd_common.protocol import ServiceError, page_checksums, token_logprob
+from pd_common.protocol import ServiceError, drain_jobs, page_checksums, token_logprob
 from protos import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("halfmoon.decode")
@@ -154,6 +154,12 @@ class DecodeScheduler:
         self._stop = True
         self._inbox.put(("wake",))
         self._thread.join(timeout=10)
+        # End every open stream: a gRPC thread blocked on job.out would keep the process from
+        # exiting after SIGTERM.
+        err = ServiceError(grpc.StatusCode.UNAVAILABLE, "decode worker is shutting down")
+        for job in self._order + drain_jobs(self._inbox):
+            if not job.finish_reason:
+                job.out.put(err)
 
     def submit(self, job: DecodeJob) -> None:
         with self._known_lock:

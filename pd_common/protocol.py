@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import queue
 import zlib
 from collections.abc import Sequence
 
@@ -28,6 +29,19 @@ class ServiceError(Exception):
     def __init__(self, code, message: str):
         self.code = code
         super().__init__(message)
+
+
+def drain_jobs(inbox: queue.Queue) -> list:
+    """Jobs a scheduler's inbox still holds (``("job", job)`` items), taken without blocking; used at
+    shutdown to answer callers the loop never saw."""
+    jobs = []
+    while True:
+        try:
+            item = inbox.get_nowait()
+        except queue.Empty:
+            return jobs
+        if item[0] == "job":
+            jobs.append(item[1])
 
 
 def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:

@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,7 +44,7 @@ from engine.sampling_params import SamplingParams
 from halfmoon import metrics as M
 from prefill_svc.destinations import DestinationBook
 from prefill_svc.kv_runs import PoolGeometry, descriptors, merge_runs
-from pd_common.protocol import ServiceError, page_checksums, token_logprob
+from pd_common.protocol import ServiceError, drain_jobs, page_checksums, token_logprob
 from protos import common_pb2, prefill_pb2
 from transfer_svc.engine import State
 
@@ -153,6 +153,15 @@ class PrefillScheduler:
         self._inbox.put(("wake",))
         self._thread.join(timeout=10)
         self._net.shutdown(wait=False, cancel_futures=True)
+        # Answer every caller still waiting: a gRPC thread blocked on a reply would keep the
+        # process from exiting after SIGTERM.
+        err = ServiceError(grpc.StatusCode.UNAVAILABLE, "prefill worker is shutting down")
+        for job in self._order + drain_jobs(self._inbox):
+            if not job.reply.done():
+                try:
+                    job.reply.set_exception(err)
+                except InvalidStateError:  # answered by the loop in the meantime
+                    pass
 
     def submit(self, job: PrefillJob) -> Future:
         with self._known_lock:
@@ -595,3 +604,4 @@ class PrefillScheduler:
                 counts["transferring"] += 1
         for q, c in counts.items():
             M.PREFILL_QUEUE.labels(queue=q).set(c)
+
