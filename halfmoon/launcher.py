@@ -116,7 +116,7 @@ class StackConfig:
     prefill_policy: str = "cache_aware"
     decode_policy: str = "cache_aware"
     page_size: int = 16
-    kv_memory_mb: float = 256.0
+    kv_memory_mb: float = 384.0  # one 8192-token request of the default model (46 KB/token fp32)
     torch_threads: int = 0          # 0 = threads_per_worker(prefill + decode)
     log_dir: str = ""
     ready_timeout: float = 300.0
@@ -271,7 +271,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-policy", default="cache_aware")
     p.add_argument("--decode-policy", default="cache_aware")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-memory-mb", type=float, default=256.0, help="KV pool per worker (MiB)")
+    p.add_argument("--kv-memory-mb", type=float, default=384.0,
+                   help="KV pool per worker (MiB); the default holds one full-context (8192-token) request "
+                        "of the default model (fp32, 46 KB per token)")
     p.add_argument("--torch-threads", type=int, default=0, help="per worker (0 = cores / workers, at least 1)")
     p.add_argument("--log-dir", default="", help="child logs (default: a new temp dir)")
     p.add_argument("--endpoints-file", default="", help="also write the endpoints JSON here")
