@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"halfmoon {name}", description=COMMANDS[name][1])
+    parser = argparse.ArgumentParser(prog=f"halfmoon {name}", description=COMMANDS[name][1],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     return int(module.run(args) or 0)

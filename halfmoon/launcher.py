@@ -35,6 +35,7 @@ from pathlib import Path
 import grpc
 
 from engine.model_store import DEFAULT_MODEL
+from router_svc.policies import POLICY_NAMES
 
 _REGISTRY_RE = re.compile(r"registry listening grpc=(\S+) metrics=(\S+)")
 _WORKER_RE = re.compile(r"READY (\S+) grpc=(\S+)(?: metrics=(\S*))?")
@@ -267,9 +268,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--base-port", type=int, default=50050, help="first port of the plan (0 = all free ports)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--prefill-policy", default="cache_aware")
-    p.add_argument("--decode-policy", default="cache_aware")
+    p.add_argument("--host", default="127.0.0.1", help="bind address of every process")
+    p.add_argument("--prefill-policy", default="cache_aware", choices=POLICY_NAMES,
+                   help="how the router picks a prefill worker")
+    p.add_argument("--decode-policy", default="cache_aware", choices=POLICY_NAMES,
+                   help="how the router picks a decode worker")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-memory-mb", type=float, default=384.0,
                    help="KV pool per worker (MiB); the default holds one full-context (8192-token) request "
