@@ -40,6 +40,8 @@ from router_svc.worker import DECODE, PREFILL, Worker
 log = logging.getLogger("halfmoon.router.dispatch")
 
 # Worker errors that are the client's fault: returned as they are, never retried.
+# final statuses of a client request (label `status` of halfmoon_router_requests_total)
+REQUEST_STATUSES = ("ok", "error", "cancelled", "timeout", "invalid", "rejected")
 _CLIENT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 
 
@@ -130,6 +132,8 @@ class Dispatcher:
         self.request_timeout = request_timeout
         pool.policies = [prefill_policy, decode_policy]
         self.policy_label = f"{prefill_policy.name}/{decode_policy.name}"
+        for status in REQUEST_STATUSES:  # series exist at 0 from the first scrape, so rate() sees
+            M.ROUTER_REQUESTS.labels(status=status, policy=self.policy_label)  # the first requests
         self._inflight: dict[str, _Inflight] = {}
         self._background: set = set()
 
@@ -143,6 +147,7 @@ class Dispatcher:
         return True
 
     def count(self, status: str, start: float) -> None:
+        assert status in REQUEST_STATUSES, status
         M.ROUTER_REQUESTS.labels(status=status, policy=self.policy_label).inc()
         M.ROUTER_E2E.observe(time.monotonic() - start)
 
