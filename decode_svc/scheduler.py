@@ -501,16 +501,10 @@ class DecodeScheduler:
                                                          job.prefill_incarnation)
                 held = [p for p in job.own if p not in qset]
             first = job.tree_len // ps
-            keep_to = first
-            if self.cache is not None and not quarantine and job.kv_len > 0:
-                full = job.kv_len // ps * ps
-                all_ids = job.ids + job.output_ids
-                if full > job.tree_len:
-                    slots = self.r2t.req_to_token[job.row, :full].clone()
-                    n_dup = self.cache.insert(all_ids[:full], slots)
-                    # own pages [first, n_dup/ps) duplicate the tree's; [n_dup/ps, full/ps) are the tree's now
-                    keep_from, keep_to = max(n_dup // ps, first), full // ps
-                    held = [p for i, p in enumerate(job.own, start=first) if not keep_from <= i < keep_to]
+            if self.cache is not None and not quarantine and job.kv_len // ps * ps > job.tree_len:
+                kept = self.cache.insert_finished((job.ids + job.output_ids)[:job.kv_len],
+                                                  self.r2t.req_to_token[job.row], first)
+                held = [p for i, p in enumerate(job.own, start=first) if i not in kept]
             if held:
                 self.alloc.free(held)
             job.own = []

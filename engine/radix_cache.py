@@ -40,6 +40,8 @@ Usage (one request; ``alloc`` is ``engine.page_allocator.PageAllocator``, ``r2t`
     #    [n_dup, kv_len // page_size * page_size); the partial tail page(s) stay ours to free.
     alloc.free_slots(slots[pre_len:n_dup])
     alloc.free_slots(r2t.slots(row, kv_len // page_size * page_size, allocated_len))
+    # (4-5 in one call: kept = cache.insert_finished(committed, r2t.slots(row, 0, allocated_len),
+    #  pre_len // page_size) -> own logical pages now in the tree; free the others)
     # 6. unlock the prefix matched in step 1 (then free the request row)
     cache.dec_lock_ref(node)
 
@@ -245,6 +247,26 @@ class RadixCache:
             if self.enable_events:
                 self._events.append(CacheEvent("insert", tuple(hashes), parent_hash, pos, n))
         return pos
+
+    def insert_finished(self, tokens: Sequence[int], row_slots: torch.Tensor, own_from_page: int) -> range:
+        """Steps 4-5 of the usage above for a request that ends: insert the full pages of its
+        committed ``tokens`` and say which of its own pages the tree now holds.
+
+        Args:
+            tokens: committed token ids (KV written for each), length L.
+            row_slots: int64 [>= L // page_size * page_size], the request's ``req_to_token`` row.
+            own_from_page: first logical page the request owns (its locked prefix ends there).
+        Returns:
+            Logical pages ``[start, stop)`` of the request's own pages that now belong to the tree;
+            the caller frees its other own pages (duplicates before ``start``, the partial tail from
+            ``stop``), then unlocks its prefix node. Empty when nothing new was cached.
+        Raises:
+            ValueError: as :meth:`insert`.
+        """
+        ps = self.page_size
+        full = len(tokens) // ps * ps
+        n_dup = self.insert(tokens[:full], row_slots[:full].clone())
+        return range(max(n_dup // ps, own_from_page), full // ps)
 
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode) -> int:

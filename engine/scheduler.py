@@ -139,10 +139,9 @@ class Scheduler:
             return
         row_slots = self.r2t.slots(req.row, 0, req.alloc_len)
         if self.cache is not None:
-            kv = req.kv_len
-            n_dup = self.cache.insert(req.all_ids[:kv], row_slots[:kv].clone())
-            self.alloc.free_slots(row_slots[req.pre_len:n_dup])
-            self.alloc.free_slots(row_slots[kv // self.ps * self.ps:])
+            kept = self.cache.insert_finished(req.all_ids[:req.kv_len], row_slots, req.pre_len // self.ps)
+            self.alloc.free_slots(row_slots[req.pre_len:kept.start * self.ps])
+            self.alloc.free_slots(row_slots[kept.stop * self.ps:])
             self.cache.dec_lock_ref(req.last_node)
         else:
             self.alloc.free_slots(row_slots)

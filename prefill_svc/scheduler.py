@@ -541,16 +541,12 @@ class PrefillScheduler:
         """Give back everything the job holds (called once no write reads its pages)."""
         assert not job.busy, "release while a transfer may still read the pages"
         if job.row is not None:
-            ps = self.ps
-            full = job.computed // ps * ps
-            own_first = job.cached // ps
-            keep_from = keep_to = own_first  # own logical pages [keep_from, keep_to) now in the tree
-            if self.cache is not None and full > 0:
-                slots = self.r2t.req_to_token[job.row, :full].clone()
-                n_dup = self.cache.insert(job.ids[:full], slots)
-                keep_from, keep_to = max(n_dup // ps, own_first), full // ps
-            free = [p for i, p in enumerate(job.own_pages, start=own_first)
-                    if not keep_from <= i < keep_to]
+            own_first = job.cached // self.ps
+            kept = range(0)  # own logical pages now in the tree
+            if self.cache is not None:
+                kept = self.cache.insert_finished(job.ids[:job.computed], self.r2t.req_to_token[job.row],
+                                                  own_first)
+            free = [p for i, p in enumerate(job.own_pages, start=own_first) if i not in kept]
             if free:
                 self.alloc.free(free)
             job.own_pages = []

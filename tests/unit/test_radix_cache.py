@@ -234,3 +234,31 @@ def test_tensor_tokens_and_empty_inputs():
 
 def pages_of_row(row, ps):
     return (row[row % ps == 0] // ps).tolist()
+
+
+def test_insert_finished_returns_the_own_pages_the_tree_took():
+    """A second request sharing 2 of its 3 full pages: the tree keeps only its third page; the
+    duplicate and the partial tail stay the caller's to free."""
+    from engine.page_allocator import PageAllocator
+    from engine.radix_cache import RadixCache
+
+    ps = 4
+    alloc = PageAllocator(num_pages=16, page_size=ps)
+    cache = RadixCache(ps, alloc)
+    first = list(range(100, 110))                      # 2 full pages + 2 tokens
+    row = alloc.alloc_slots(0, len(first), None)
+    kept = cache.insert_finished(first, row, own_from_page=0)
+    assert kept == range(0, 2)
+    alloc.free_slots(row[kept.stop * ps:])             # the partial tail page
+    second = first[:8] + [7, 7, 7, 7, 9]               # shares 2 pages, 1 new full page, 1 partial
+    prefix, node = cache.match_prefix(second)
+    cache.inc_lock_ref(node)
+    assert prefix.numel() == 4 * 2
+    own = alloc.alloc_slots(8, len(second), None)
+    row2 = torch.cat([prefix, own])
+    kept = cache.insert_finished(second, row2, own_from_page=2)
+    assert kept == range(2, 3)
+    alloc.free_slots(row2[kept.stop * ps:])
+    cache.dec_lock_ref(node)
+    assert alloc.num_free + cache.evictable_size() + cache.protected_size() == 16
+    assert cache.protected_size() == 0 and cache.evictable_size() == 3
