@@ -905,6 +905,12 @@ class TransferEngine:
 
     def _flush_into(self, b: _Batch, seg: Segment) -> None:
         req = self._lib.ucp_ep_flush_nbx(seg._ep, ctypes.byref(self._flush_param))
+        if self._track(b, seg, req, "UCX flush"):
+            self._pump_notifies(seg)
+
+    def _track(self, b: _Batch, seg: Segment, req, what: str) -> bool:
+        """Complete ``b`` or park it in flight by the status of the UCX request ``req`` it waits on;
+        on an error fail it, close ``seg`` and return False."""
         st = ucp.ptr_status(req)
         if st == ucp.UCS_OK:
             self._finish(b, State.COMPLETED)
@@ -912,11 +918,11 @@ class TransferEngine:
             b.request = req
             self._inflight.append(b)
         else:
-            reason = f"UCX flush: {self._lib.status_string(st)} ({st})"
+            reason = f"{what}: {self._lib.status_string(st)} ({st})"
             self._finish(b, State.FAILED, reason)
             self._close_segment(seg, reason, force=True)
-            return
-        self._pump_notifies(seg)
+            return False
+        return True
 
     def status(self, bid: int) -> BatchStatus:
         """PENDING / COMPLETED / FAILED(reason) of a batch (or a notify), with bytes done."""
@@ -992,16 +998,7 @@ class TransferEngine:
             header, payload = b.keep
             req = self._lib.ucp_am_send_nbx(seg._ep, NOTIFY_AM_ID, header, len(header), payload,
                                             len(payload), ctypes.byref(self._am_param))
-            st = ucp.ptr_status(req)
-            if st == ucp.UCS_OK:
-                self._finish(b, State.COMPLETED)
-            elif st == ucp.UCS_INPROGRESS:
-                b.request = req
-                self._inflight.append(b)
-            else:
-                reason = f"UCX am send: {self._lib.status_string(st)} ({st})"
-                self._finish(b, State.FAILED, reason)
-                self._close_segment(seg, reason, force=True)
+            if not self._track(b, seg, req, "UCX am send"):
                 return
 
     def poll_notifies(self) -> list[Notify]:
