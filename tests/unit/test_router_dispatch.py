@@ -1,6 +1,9 @@
 """Dispatcher control flow against scripted in-process gRPC workers (the real P/D run in tests/e2e):
 concurrent legs, retry on a new pair with a new room, Abort to both legs, no retry on client errors,
-a mid-stream decode failure as UNAVAILABLE, Router.Abort, and a router-side stop string."""
+a mid-stream decode failure as UNAVAILABLE, Router.Abort, and a router-side stop string.
+
+A scripted D yields its first token only after a scripted P answered for the same room, as a real D
+does (otherwise a failing P could lose the race to D's first token and the test would be flaky)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,13 @@ def tok():
     return RouterTokenizer(MODEL, resolve_model(MODEL))
 
 
+_PREFILLED: dict[int, asyncio.Event] = {}   # room -> set once a prefill leg answered ok for it
+
+
+def _prefilled(room: int) -> asyncio.Event:
+    return _PREFILLED.setdefault(room, asyncio.Event())
+
+
 class ScriptedWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
     """mode: "ok" | "unavailable" | "invalid" | "die_after_first" | "slow" (tokens every 50 ms, forever)."""
 
@@ -40,6 +50,7 @@ class ScriptedWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeSer
         self.calls.append(request.room)
         if self.mode == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill down")
+        _prefilled(request.room).set()
         return prefill_pb2.PrefillResult(room=request.room, first_token_id=self.tokens[0], cached_tokens=0,
                                          pages_sent=1, bytes_sent=4096)
 
@@ -49,6 +60,8 @@ class ScriptedWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeSer
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode down")
         if self.mode == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: too many")
+        # like a real D: the first token exists only once P has prefilled this room
+        await _prefilled(request.room).wait()
         yield decode_pb2.DecodeChunk(token_ids=self.tokens[:1], prompt_tokens=len(request.input_ids))
         if self.mode == "die_after_first":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode crashed")
