@@ -149,9 +149,10 @@ def model_vs_transformers(shape: str, layers: int, dtype_name: str, tmpdir: str,
     return out
 
 
-def backend_vs_torch(page_size: int = 16, seed: int = 0) -> dict:
-    """flashinfer vs torch attention on the same pool: an extend batch over cached prefixes and a
-    decode batch (Llama-3.1-8B heads, bf16). Returns rel. errors."""
+def backend_vs_torch(page_size: int = 16, seed: int = 0, extend_mode: str = "ragged") -> dict:
+    """flashinfer vs torch attention on the same pool: an extend batch over cached prefixes (one
+    request without a prefix, unaligned prefixes), an extend batch with no prefix at all, and a decode
+    batch (Llama-3.1-8B heads, bf16). Returns rel. errors."""
     from engine.attention.flashinfer_backend import FlashInferAttentionBackend
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.forward_batch import ForwardBatch, ForwardMode
@@ -166,7 +167,7 @@ def backend_vs_torch(page_size: int = 16, seed: int = 0) -> dict:
     pool.v_buffers[0].normal_()
     alloc = PageAllocator(512, page_size, dev)
     r2t = ReqToTokenPool(8, 2048, dev)
-    fi = FlashInferAttentionBackend(pool, r2t, H, KVH, D)
+    fi = FlashInferAttentionBackend(pool, r2t, H, KVH, D, extend_mode=extend_mode)
     tb = TorchAttentionBackend(pool, r2t, H, KVH, D)
     # pages handed out in a shuffled order so page tables are not the identity
     alloc._free = [int(p) for p in torch.randperm(512)]
@@ -190,6 +191,13 @@ def backend_vs_torch(page_size: int = 16, seed: int = 0) -> dict:
     tb.init_forward(b)
     o_t = tb.forward(q, k, v, 0, b)
     out["extend_rel_err"] = _rel(o_fi, o_t)
+    b0 = ForwardBatch.build(ForwardMode.EXTEND, rows, [0] * 4, [[0] * e for e in exts],
+                            torch.cat([s[:e] for s, e in zip(locs, exts)]), dev)
+    fi.init_forward(b0)
+    o_fi = fi.forward(q, k, v, 0, b0)
+    tb.init_forward(b0)
+    o_t = tb.forward(q, k, v, 0, b0)
+    out["extend_no_prefix_rel_err"] = _rel(o_fi, o_t)
     seq = [p + e for p, e in zip(pres, exts)]
     qd = torch.randn(4, H, D, dtype=dt, device=dev)
     kd = torch.randn(4, KVH, D, dtype=dt, device=dev)
@@ -207,7 +215,8 @@ def backend_vs_torch(page_size: int = 16, seed: int = 0) -> dict:
 def correctness(args) -> dict:
     import tempfile
 
-    res = {"backend_vs_torch": backend_vs_torch()}
+    res = {"backend_vs_torch": backend_vs_torch(),
+           "backend_vs_torch_paged_extend": backend_vs_torch(extend_mode="paged")}
     with tempfile.TemporaryDirectory() as tmp:
         runs = []
         for shape in ("llama-3.1-8b", "qwen2.5-7b"):
@@ -410,7 +419,6 @@ def prefill(args) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, mc.vocab_size, (T,), generator=g).tolist()
     batch = ForwardBatch.build(ForwardMode.EXTEND, [row], [0], [ids], slots, "cuda")
-    ms = statistics.median(_events_ms(lambda: runner.forward(batch), args.iters_prefill, warmup=2))
     chunk = T // 4
     chunks = [ForwardBatch.build(ForwardMode.EXTEND, [row], [i * chunk], [ids[i * chunk:(i + 1) * chunk]],
                                  slots[i * chunk:(i + 1) * chunk], "cuda") for i in range(4)]
@@ -419,7 +427,19 @@ def prefill(args) -> dict:
         for c in chunks:
             runner.forward(c)
 
-    ms_chunked = statistics.median(_events_ms(chunked, args.iters_prefill, warmup=1))
+    by_mode = {}
+    default_mode = runner.backend.extend_mode
+    for mode in ("paged", default_mode) if default_mode != "paged" else ("paged",):
+        runner.backend.extend_mode = mode  # read by init_forward at each batch
+        try:
+            whole = statistics.median(_events_ms(lambda: runner.forward(batch), args.iters_prefill, warmup=2))
+            parts = statistics.median(_events_ms(chunked, args.iters_prefill, warmup=1))
+            by_mode[mode] = {"ms": whole, "chunked_4x_ms": parts}
+        except Exception as e:  # noqa: BLE001 - a failing kernel path is a result too
+            by_mode[mode] = {"error": repr(e)[:300]}
+        print(f"prefill extend_mode={mode}: {by_mode[mode]}", flush=True)
+    runner.backend.extend_mode = default_mode
+    ms, ms_chunked = by_mode[default_mode]["ms"], by_mode[default_mode]["chunked_4x_ms"]
     floor_ms = flops / args.gemm_rate * 1e3
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
@@ -436,7 +456,8 @@ def prefill(args) -> dict:
         print(f"  prefill kernel {v:8.2f} ms  {k}", flush=True)
     out = {"kernels_top_ms": top, "tokens": T, "flops": flops, "linear_params": lin, "attn_flops": attn_flops, "ms": ms,
            "floor_ms": floor_ms, "frac_of_floor": floor_ms / ms, "achieved_TFLOPs": flops / ms / 1e9,
-           "chunked_4x_ms": ms_chunked, "chunked_frac_of_floor": floor_ms / ms_chunked}
+           "chunked_4x_ms": ms_chunked, "chunked_frac_of_floor": floor_ms / ms_chunked,
+           "extend_mode": default_mode, "by_extend_mode": by_mode}
     print(json.dumps(out), flush=True)
     del runner
     torch.cuda.empty_cache()
@@ -458,6 +479,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=8192)
     p.add_argument("--ref-layers", type=int, default=4, help="layers of the shapes compared with transformers")
     p.add_argument("--transfer-reps", type=int, default=5)
+    p.add_argument("--transfer-busy-poll", action="store_true",
+                   help="the sending engine polls without sleeping while a batch is in flight")
     p.add_argument("--pd-tokens", type=int, default=24, help="tokens generated per P/D request")
     p.add_argument("--transports", default=None, help="UCX_TLS for the transfer engines (default: UCX's choice)")
     p.add_argument("--copy-bw", type=float, default=None, help="B/s (default: measured by ceilings, else 4.26e12)")

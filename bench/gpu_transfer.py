@@ -11,10 +11,14 @@ transfer: an 8B-shaped request (32 layers, 8 KV heads x 128, bf16, page 16 -> 32
                scattered ones (every page its own run) -- the per-layer pool's cost
     staged     gather the pages of all 64 buffers into one staging buffer on GPU 0, one put into a
                staging buffer on GPU 1, scatter there into the pool pages (gather + put + scatter)
+    page_major the same bytes as one contiguous region on each side (what a page-major pool
+               [pages, layers, K/V, page_size, heads, dim] holds for a run of pages), sent as k puts
+               of nbytes / k (k = 1, 4, 16, 64): the put-count cost without any per-layer split
   against a plain torch device-to-device peer copy of the same bytes (one contiguous copy_).
   Every way is verified: per-(buffer, page) checksums on GPU 1 equal those of the source pages.
   Timing: wall clock from the submit (after torch.cuda.synchronize on the source) to remote
-  completion (flush); median of reps after a warm-up.
+  completion (flush); median of reps after a warm-up. ``--transfer-busy-poll`` makes the sending
+  engine's progress thread poll without sleeping while a batch is in flight.
 
 pd: a prefill worker (GPU 0, this process: ModelRunner + TransferEngine) and a decode worker (GPU 1,
   spawned: ModelRunner + TransferEngine, CUDA graphs) on Llama-3.1-8B-shaped dummy weights (same
@@ -57,10 +61,10 @@ def _checksums(bufs: list[torch.Tensor], pages: list[int]) -> list[int]:
     return out
 
 
-def _engine(name: str, transports):
+def _engine(name: str, transports, busy_poll: bool = False):
     from transfer_svc.engine import TransferEngine
 
-    return TransferEngine(name, transports=transports, timeout_s=60)
+    return TransferEngine(name, transports=transports, timeout_s=60, busy_poll=busy_poll)
 
 
 # ----------------------------------------------------------------------------- transfer target
@@ -99,6 +103,8 @@ def _target(conn, transports, staging_bytes: int) -> None:
             conn.send(s.elapsed_time(e))
         elif cmd == "checksums":
             conn.send(_checksums(bufs, arg))
+        elif cmd == "staging_sum":  # int16 sum of the first arg bytes of the staging buffer
+            conn.send(int(staging[: arg // 2].view(torch.int16).to(torch.int64).sum()))
     eng.close()
 
 
@@ -134,7 +140,9 @@ def transfer(args) -> dict:
         for b in bufs:
             b.normal_()
         staging = torch.zeros(staging_bytes // 2, dtype=torch.bfloat16, device=src_dev)
-        eng = _engine("gpu-source", transports)
+        busy = bool(getattr(args, "transfer_busy_poll", False))
+        out["busy_poll"] = busy
+        eng = _engine("gpu-source", transports, busy)
         for b in bufs + [staging]:
             eng.register_memory(b.data_ptr(), b.numel() * b.element_size(), src_dev)
         desc_bytes, dptrs, dstaging = parent.recv()
@@ -219,7 +227,20 @@ def transfer(args) -> dict:
                          "put_ms": med(tp), "scatter_ms": med(ts), "ms": med(tg) + med(tp) + med(ts),
                          "wall_ms": med(tw), "frac_of_peer": peer_ms / (med(tg) + med(tp) + med(ts)),
                          "verified": ok})
-            for r in rows[-4:]:
+            # page-major: the request's pages are one contiguous region on each side
+            verify_pm = torch.randint(0, 1 << 15, (nbytes // 2,), dtype=torch.int16, device=src_dev)
+            staging[: nbytes // 2].view(torch.int16).copy_(verify_pm)
+            torch.cuda.synchronize()
+            for k in (1, 4, 16, 64):
+                part = nbytes // k
+                descs = [(staging.data_ptr() + i * part, dstaging + i * part, part) for i in range(k)]
+                times = [put(descs) for _ in range(reps + 1)]
+                parent.send(("staging_sum", nbytes))
+                ok = parent.recv() == int(verify_pm.to(torch.int64).sum())
+                ms = statistics.median(times[1:])
+                rows.append({"case": what, "way": f"page_major_{k}_puts", "bytes": nbytes, "puts": k, "ms": ms,
+                             "GBps": nbytes / ms / 1e6, "frac_of_peer": peer_ms / ms, "verified": ok})
+            for r in rows[-8:]:
                 print(r, flush=True)
         out["rows"] = rows
         eng.close()

@@ -1,6 +1,7 @@
 """Compile the flashinfer modules the GPU path uses, in parallel processes (JIT, first use only).
 
-    python -m bench.gpu_warm            # norm, rope, activation, decode, prefill (bf16, head_dim 128)
+    python -m bench.gpu_warm   # norm, rope, activation, decode, paged prefill, ragged prefill, merge
+                               # (bf16, head_dim 128)
 
 Each module builds into ~/.cache/flashinfer once (decode ~25 s, prefill ~50 s, norm/rope ~60-75 s
 in parallel on 16 cores); scripts/gpu_session.sh saves the .so files and restores them as flashinfer
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import time
 
-JOBS = {"prefill": 9, "decode": 3, "norm": 2, "rope": 1, "act": 1}
+JOBS = {"ragged": 7, "prefill": 4, "decode": 2, "norm": 1, "rope": 1, "act": 1, "merge": 1}
 
 
 def build(kind: str) -> None:
@@ -27,6 +28,19 @@ def build(kind: str) -> None:
     x = torch.randn(8, 512, dtype=dt, device=dev)
     if kind == "norm":
         flashinfer.norm.rmsnorm(x, torch.ones(512, dtype=dt, device=dev), 1e-5)
+        flashinfer.norm.fused_add_rmsnorm(x, x.clone(), torch.ones(512, dtype=dt, device=dev), 1e-5)
+    elif kind == "merge":
+        o = torch.randn(8, 32, 128, dtype=dt, device=dev)
+        lse = torch.randn(8, 32, dtype=torch.float32, device=dev)
+        flashinfer.merge_state_in_place(o, lse, o.clone(), lse.clone())
+    elif kind == "ragged":  # the extend path's new-token part (FA3 kernels on Hopper with "auto")
+        ws = torch.zeros(64 << 20, dtype=torch.uint8, device=dev)
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=os.environ.get(
+            "HALFMOON_FLASHINFER_RAGGED", "auto"))
+        ind = torch.tensor([0, 40], dtype=torch.int32)
+        w.plan(ind, ind, 32, 8, 128, causal=True, q_data_type=dt, kv_data_type=dt)
+        w.run(torch.randn(40, 32, 128, dtype=dt, device=dev), torch.randn(40, 8, 128, dtype=dt, device=dev),
+              torch.randn(40, 8, 128, dtype=dt, device=dev), return_lse=True)
     elif kind == "act":
         flashinfer.activation.silu_and_mul(x)
     elif kind == "rope":
@@ -48,7 +62,7 @@ def build(kind: str) -> None:
             w.run(torch.randn(1, 32, 128, dtype=dt, device=dev), (kv, kv))
             del FlashInferAttentionBackend
         else:
-            backend_vs_torch()
+            backend_vs_torch(extend_mode="paged")
     torch.cuda.synchronize()
 
 

@@ -9,7 +9,9 @@
 * RoPE -> ``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace`` on the q/k views of the fused
   projection output, with a float32 cos/sin table built from the model's own ``inv_freq``
   (llama3 / linear scaling included), so frequencies equal the torch path's;
-* SiLU(gate) * up -> ``flashinfer.activation.silu_and_mul``.
+* SiLU(gate) * up -> ``flashinfer.activation.silu_and_mul``;
+* each residual add and the RMSNorm after it -> ``flashinfer.norm.fused_add_rmsnorm`` (one kernel,
+  in place), the layers passing ``(hidden, residual)`` to each other as in sglang's Llama.
 
 Numerics: the fused kernels compute in float32 and round once, the torch path (HF's) rounds to the
 model dtype between steps; both stay within bf16 tolerance of each other (tests/unit/test_gpu_*.py).
@@ -73,6 +75,23 @@ class FusedOps:
             k = self.rms_norm(k.reshape(T, KVH, D), attn.k_norm.weight, attn.k_norm.eps).view(T, KVH * D)
         self.rope_(batch.positions, q, k)
         return backend.forward(q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D), attn.layer, batch)
+
+    def decoder_layers(self, model, x: torch.Tensor, batch, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer of ``model`` (an engine.models.llama.LlamaModel) over the embeddings
+        ``x`` [T, hidden] -> ``(h, residual)``, both [T, hidden], whose sum is the last layer's
+        output. ``x`` becomes the residual stream and is updated in place."""
+        fused_add_rmsnorm = self.fi.norm.fused_add_rmsnorm  # residual += h; h = rmsnorm(residual)
+        residual, h = x, None
+        for layer in model.layers:
+            n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+            if h is None:
+                h = self.rms_norm(residual, n1.weight, n1.eps)
+            else:
+                fused_add_rmsnorm(h, residual, n1.weight, n1.eps)
+            h = layer.self_attn(h, None, None, batch, backend)
+            fused_add_rmsnorm(h, residual, n2.weight, n2.eps)
+            h = layer.mlp(h)
+        return h, residual
 
     def mlp(self, mlp, x) -> torch.Tensor:
         gate_up = mlp.gate_up_proj(x) if mlp.gate_up_weight is None else F.linear(x, mlp.gate_up_weight)

@@ -9,25 +9,25 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_CUDA_ARCH_LIST=9.0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 site=/tmp/site; mkdir -p $site
-for d in wheels-fi wheels-ucx; do
+for d in wheels-fi wheels-ucx wheels-svc; do
   if ls $d/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --target $site $d/*.whl; fi
 done
 export PYTHONPATH=$site:$PWD
 if [ -f gpu-cache/libucx-slim.tgz ]; then tar -xzf gpu-cache/libucx-slim.tgz -C $site; fi  # slim libucx-cu13 (libs only)
 # Compiled flashinfer ops: flashinfer 0.6.18 rebuilds a JIT-cache .so unless ninja's .o files are
 # there too, but it loads <package>/data/aot/<module>/<module>.so without building: restore them there.
-if [ -f gpu-cache/flashinfer-so.tar ]; then
-  tmp=$(mktemp -d) && tar -xf gpu-cache/flashinfer-so.tar -C $tmp && mkdir -p $site/flashinfer/data/aot &&
+if [ -f gpu-cache/flashinfer-so.tar.gz ]; then
+  tmp=$(mktemp -d) && tar -xzf gpu-cache/flashinfer-so.tar.gz -C $tmp && mkdir -p $site/flashinfer/data/aot &&
   for d in $tmp/flashinfer/*/*/cached_ops/*/; do cp -r "$d" $site/flashinfer/data/aot/; done
   ls $site/flashinfer/data/aot
 fi
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-# save_cache: the .so files this call compiled (copy $OUT/flashinfer-so.tar over gpu-cache/ only when
+# save_cache: the .so files this call compiled (merge $OUT/flashinfer-so.tar.gz into gpu-cache/ only when
 # it holds modules the cache lacks; a call that compiled nothing returns an empty tar).
 save_cache() {
   if [ -d ~/.cache/flashinfer ]; then
-    (cd ~/.cache && find flashinfer -name '*.so' | tar -cf "$OUT/flashinfer-so.tar" -T -) && ls -la "$OUT/flashinfer-so.tar"
+    (cd ~/.cache && find flashinfer -name '*.so' | tar -czf "$OUT/flashinfer-so.tar.gz" -T -) && ls -la "$OUT/flashinfer-so.tar.gz"
   fi
 }
 t0=$(date +%s)

@@ -5,9 +5,15 @@ copy, as flashinfer's NHD paged layout ``[num_pages, page_size, kv_heads, head_d
 page table is its ``req_to_token`` row read every ``page_size`` positions (slot // page_size), which is
 valid because the allocator hands out whole pages filled in order (engine/page_allocator.py).
 
-* EXTEND: ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` over ``[0, seq_len)`` of each
-  row; flashinfer aligns the causal mask bottom-right, so the ``extend_len`` queries at positions
-  ``prefix_len..seq_len-1`` see the whole cached prefix (prefill with a cached prefix = extend).
+* EXTEND, ``extend_mode="ragged"`` (default): the new tokens attend to each other straight from the
+  q/k/v tensors (``BatchPrefillWithRaggedKVCacheWrapper``, causal; flashinfer picks its FA3 kernels on
+  Hopper), and, when any request has a cached prefix, to their prefix pages in the pool
+  (``BatchPrefillWithPagedKVCacheWrapper`` over ``[0, pre_len)``, not causal); the two partial results
+  are merged by their log-sum-exp (``merge_state_in_place``). This is sglang's ragged + paged split
+  (``flashinfer_backend.py``, "use_ragged"), and FlashAttention's split-KV merge (Dao et al. 2023).
+* EXTEND, ``extend_mode="paged"``: one ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``
+  over ``[0, seq_len)`` of each row; flashinfer aligns the causal mask bottom-right, so the
+  ``extend_len`` queries at positions ``prefix_len..seq_len-1`` see the whole cached prefix.
 * DECODE: ``BatchDecodeWithPagedKVCacheWrapper`` with tensor-core kernels (3.1-4.1 TB/s of KV read on
   an H200 vs 2.3-2.8 for the CUDA-core ones; bench/results/GPU_NOTES.md). The
   :class:`engine.cuda_graph_runner.CudaGraphRunner`
@@ -30,6 +36,7 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch, ForwardMode
 
+EXTEND_MODES = ("ragged", "paged")
 WORKSPACE_BYTES = 256 << 20  # flashinfer's float workspace (split-kv partial outputs); 128 MiB recommended
 
 
@@ -40,14 +47,16 @@ def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens_cpu: tor
     Returns ``(indptr, indices, last_page_len)``: indptr int32 [B+1] on the CPU (cumulative page
     counts), indices int32 [indptr[-1]] on ``req_to_token``'s device (page ids, computed there without
     a host sync), last_page_len int32 [B] on the CPU (tokens in
-    each request's last page, 1..page_size). ``seq_lens_cpu``: int64 [B] tokens per request (>= 1).
+    each request's last page, 1..page_size; 0 for a request of 0 tokens, which has no page).
+    ``seq_lens_cpu``: int64 [B] tokens per request (>= 0).
     """
     seq = seq_lens_cpu.to(torch.int64)
     npages = (seq + page_size - 1) // page_size
     indptr = torch.zeros(len(seq) + 1, dtype=torch.int64)
     torch.cumsum(npages, 0, out=indptr[1:])
     total = int(indptr[-1])
-    last = (seq - (npages - 1) * page_size).to(torch.int32)
+    # flashinfer's kv_len = max(pages - 1, 0) * page_size + last_page_len: an empty row needs last 0
+    last = torch.where(npages > 0, seq - (npages - 1) * page_size, 0).to(torch.int32)
     dev = req_to_token.device
     # page j of the flattened table belongs to request i = searchsorted(indptr, j, right) - 1
     j = torch.arange(total, device=dev)
@@ -61,14 +70,18 @@ def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens_cpu: tor
 class FlashInferAttentionBackend(AttentionBackend):
     """Paged attention through flashinfer (bf16/fp16 K/V on CUDA).
 
-    Extra args: ``prefill_backend`` ("fa2" | "fa3" | "auto"; default env HALFMOON_FLASHINFER_PREFILL,
-    else "fa2"), ``decode_tensor_cores`` (flashinfer's
+    Extra args: ``extend_mode`` ("ragged" | "paged"; default env HALFMOON_FLASHINFER_EXTEND, else
+    "ragged"; see the module docstring), ``ragged_backend`` (kernels of the new-token part: "auto"
+    picks FA3 on Hopper, "fa2"; default env HALFMOON_FLASHINFER_RAGGED, else "auto"),
+    ``prefill_backend`` (kernels that read pages in extend: "fa2" | "fa3" | "auto"; default env
+    HALFMOON_FLASHINFER_PREFILL, else "fa2"), ``decode_tensor_cores`` (flashinfer's
     tensor-core decode, the default; False selects the CUDA-core decode kernel).
     Raises ValueError for a CPU pool or a float32 pool (flashinfer kernels take half types).
     """
 
     def __init__(self, kv_pool, req_to_token_pool, num_heads, num_kv_heads, head_dim, scale=None,
-                 prefill_backend: str | None = None, decode_tensor_cores: bool | None = None):
+                 prefill_backend: str | None = None, decode_tensor_cores: bool | None = None,
+                 extend_mode: str | None = None, ragged_backend: str | None = None):
         super().__init__(kv_pool, req_to_token_pool, num_heads, num_kv_heads, head_dim, scale)
         if kv_pool.device.type != "cuda":
             raise ValueError("attention_backend: flashinfer needs a CUDA KV pool")
@@ -77,12 +90,19 @@ class FlashInferAttentionBackend(AttentionBackend):
         import flashinfer
 
         prefill_backend = prefill_backend or os.environ.get("HALFMOON_FLASHINFER_PREFILL", "fa2")
+        self.extend_mode = extend_mode or os.environ.get("HALFMOON_FLASHINFER_EXTEND", "ragged")
+        if self.extend_mode not in EXTEND_MODES:
+            raise ValueError(f"attention_backend: extend_mode must be one of {EXTEND_MODES}, got {self.extend_mode!r}")
+        ragged_backend = ragged_backend or os.environ.get("HALFMOON_FLASHINFER_RAGGED", "auto")
 
         self._fi = flashinfer
         dev = kv_pool.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                               backend=prefill_backend)
+        self.ragged_wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD",
+                                                                              backend=ragged_backend)
+        self._with_prefix = False
         # Tensor-core decode (flashinfer's prefill kernel with one query row per request) read the KV
         # at 3.1-4.1 TB/s on an H200 against 2.3-2.8 for the CUDA-core kernel (Llama-8B heads, bench/gpu.py
         # attn_micro), and covers every GQA group size (the CUDA-core one lacks 7: Qwen2.5-7B).
@@ -122,6 +142,20 @@ class FlashInferAttentionBackend(AttentionBackend):
             return
         qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32)
         torch.cumsum(ext.to(torch.int32), 0, out=qo_indptr[1:])
+        if self.extend_mode == "ragged":
+            dt = self.kv_pool.dtype
+            self.ragged_wrapper.plan(qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim,
+                                     causal=True, sm_scale=self.scale, q_data_type=dt, kv_data_type=dt)
+            pre = seq - ext
+            self._with_prefix = bool((pre > 0).any())
+            if self._with_prefix:
+                indptr, indices, last = page_table(self.req_to_token_pool.req_to_token, batch.req_pool_indices,
+                                                   pre, self.kv_pool.page_size)
+                self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads,
+                                          self.head_dim, self.kv_pool.page_size, causal=False,
+                                          sm_scale=self.scale, q_data_type=dt, kv_data_type=dt)
+            self._wrapper = self.ragged_wrapper
+            return
         self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads,
                                   self.head_dim, self.kv_pool.page_size, causal=True, sm_scale=self.scale,
                                   q_data_type=self.kv_pool.dtype, kv_data_type=self.kv_pool.dtype)
@@ -133,5 +167,16 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer, batch):
         self.kv_pool.write(layer, batch.out_cache_loc, k, v)
+        if self._wrapper is self.ragged_wrapper:
+            q = q.contiguous()
+            dt = self.kv_pool.dtype
+            k, v = k.to(dt).contiguous(), v.to(dt).contiguous()
+            if not self._with_prefix:
+                o = self.ragged_wrapper.run(q, k, v)
+            else:
+                o, lse = self.ragged_wrapper.run(q, k, v, return_lse=True)
+                o_pre, lse_pre = self.prefill_wrapper.run(q, self.kv_cache[layer], return_lse=True)
+                self._fi.merge_state_in_place(o, lse, o_pre, lse_pre)
+            return o.reshape(q.shape[0], self.num_heads * self.head_dim)
         o = self._wrapper.run(q.contiguous(), self.kv_cache[layer])
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -123,9 +123,14 @@ class LlamaForCausalLM(nn.Module):
         x = m.embed_tokens(batch.input_ids)
         cos, sin = m.rotary.cos_sin(batch.positions, x.dtype) if self._fused is None else (None, None)
         backend.init_forward(batch)
-        for layer in m.layers:
-            x = layer(x, cos, sin, batch, backend)
         if logit_index is None:
             logit_index = torch.cumsum(batch.extend_lens, 0) - 1
-        x = m.norm(x[logit_index.to(x.device)])
+        logit_index = logit_index.to(x.device)
+        if self._fused is not None:  # residual adds fused into the norms; x = h + residual at the end
+            h, residual = self._fused.decoder_layers(m, x, batch, backend)
+            x = m.norm(h[logit_index] + residual[logit_index])
+        else:
+            for layer in m.layers:
+                x = layer(x, cos, sin, batch, backend)
+            x = m.norm(x[logit_index])
         return self.lm_head(x).float()

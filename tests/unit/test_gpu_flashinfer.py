@@ -34,6 +34,19 @@ def test_page_table_matches_rows():
     assert idx.dtype == torch.int32 and indptr.dtype == torch.int32
 
 
+def test_page_table_of_an_empty_row_has_no_page():
+    # extend over prefixes plans the prefix part with seq = pre_len, which is 0 for a fresh request;
+    # flashinfer reads kv_len = max(pages - 1, 0) * page_size + last_page_len, so last must be 0 there
+    ps = 4
+    r2t = ReqToTokenPool(3, 16, "cpu")
+    r2t.write(0, 0, torch.arange(8, 14))
+    r2t.write(2, 0, torch.arange(4, 8))
+    indptr, idx, last = page_table(r2t.req_to_token, torch.tensor([0, 1, 2]), torch.tensor([6, 0, 4]), ps)
+    assert indptr.tolist() == [0, 2, 2, 3]
+    assert idx.tolist() == [2, 3, 1]
+    assert last.tolist() == [2, 0, 4]
+
+
 def test_auto_backend_is_torch_on_cpu_and_fp32():
     assert resolve_backend_name("auto", torch.device("cpu"), torch.bfloat16) == "torch"
     assert resolve_backend_name("auto", torch.device("cuda"), torch.float32) == "torch"
@@ -51,10 +64,12 @@ def test_auto_backend_is_torch_on_cpu_and_fp32():
 def test_flashinfer_matches_torch_backend():
     from bench.gpu import backend_vs_torch
 
-    for seed in (0, 1):
-        r = backend_vs_torch(seed=seed)
-        assert r["extend_rel_err"] <= 1e-2, r
-        assert r["decode_rel_err"] <= 1e-2, r
+    for mode in ("ragged", "paged"):
+        for seed in (0, 1):
+            r = backend_vs_torch(seed=seed, extend_mode=mode)
+            assert r["extend_rel_err"] <= 1e-2, (mode, r)
+            assert r["extend_no_prefix_rel_err"] <= 1e-2, (mode, r)
+            assert r["decode_rel_err"] <= 1e-2, (mode, r)
 
 
 TINY = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,
