@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from pd_common.worker_runtime import Worker, add_common_arguments, engine_config
 
@@ -15,13 +16,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, "decode")
 
 
-def _tokenizer(runner):
-    if runner.model_path is None:
+def _tokenizer(runner, model: str):
+    """The model's tokenizer (for stop strings), or None. With ``--load-format dummy`` and a model
+    directory (config.json + tokenizer files, no weights) it comes from that directory."""
+    path = runner.model_path
+    if path is None and os.path.isfile(os.path.join(os.path.expanduser(model), "tokenizer.json")):
+        path = os.path.expanduser(model)
+    if path is None:
         return None
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(runner.model_path))
+        return AutoTokenizer.from_pretrained(str(path))
     except Exception:
         return None
 
@@ -37,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     # rows: running requests + as many pre-allocated/transferring ones (anchors §1.5)
     runner = ModelRunner(engine_config(args, 2 * args.max_running_requests))
     transfer = w.start_transfer(runner)
-    tok = _tokenizer(runner)
+    tok = _tokenizer(runner, args.model)
     holder = {}
     peers = PrefillPeers(lambda *m: holder["s"].post(*m), registry=w.registry)
     sched = DecodeScheduler(runner, transfer, peers, segment_name=transfer.name,

@@ -42,6 +42,7 @@ from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
 from halfmoon import metrics as M
 from pd_common.protocol import ServiceError, drain_jobs, page_checksums, token_logprob
+from pd_common.worker_runtime import bind_cuda_device
 from protos import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("halfmoon.decode")
@@ -207,6 +208,7 @@ class DecodeScheduler:
                 time.sleep(0.1)
 
     def _loop(self) -> None:
+        bind_cuda_device(self.runner.device)  # this thread runs the forwards (CUDA graph replay)
         while not self._stop:
             try:
                 self._drain(self._idle_wait())
@@ -374,7 +376,7 @@ class DecodeScheduler:
         job.kv_len = n
         self._insert_prompt(job)
         if not job.params.greedy:
-            job.generator = make_generator(job.params.seed)
+            job.generator = make_generator(job.params.seed, self.runner.device)
             if notice.sampler_state:
                 job.generator.set_state(torch.frombuffer(bytearray(notice.sampler_state), dtype=torch.uint8))
         tok = int(notice.first_token_id)

@@ -496,9 +496,9 @@ class RadixCache:
 
     def _check_pages(self, slots: torch.Tensor) -> None:
         ps = self.page_size
-        pages = slots.reshape(-1, ps)
+        pages = slots.reshape(-1, ps)  # on the pool's device (a CUDA row of req_to_token, say)
         if not bool((pages[:, 0] % ps == 0).all()) or not bool(
-                (pages == pages[:, :1] + torch.arange(ps)).all()):
+                (pages == pages[:, :1] + torch.arange(ps, device=pages.device)).all()):
             raise ValueError("slots of a page-aligned prefix must be whole pages "
                              "(slot = page * page_size + offset, offset = position % page_size)")
         if bool((pages[:, 0] < 0).any()):

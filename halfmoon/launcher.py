@@ -3,6 +3,7 @@ router — as child processes on loopback.
 
     halfmoon up --prefill 1 --decode 1                     # ports from --base-port 50050
     halfmoon up --prefill 2 --decode 2 --base-port 0 --endpoints-file /tmp/hm.json
+    halfmoon up --prefill-device cuda:0 --decode-device cuda:1 --dtype bfloat16   # P and D on two GPUs
 
 Each child runs ``python -m halfmoon <serve-...>`` in its own session (process group), with
 ``PR_SET_PDEATHSIG`` so it dies with the launcher even on SIGKILL; its output goes to
@@ -15,6 +16,10 @@ SIGKILL after ``--stop-timeout`` seconds. A router or registry that dies stops t
 Port plan with ``--base-port B`` (0 = every port picked free by its process): router gRPC B, HTTP
 B+1, metrics B+2; registry gRPC B+3, metrics B+4; worker k (prefill first, then decode) gRPC
 B+10+2k, metrics B+11+2k. Threads: each worker gets ``max(1, cores // (N + M))`` torch threads.
+Devices: ``--prefill-device`` / ``--decode-device`` take one device or a comma list that the
+workers of that role take in turn (``--decode 2 --decode-device cuda:1,cuda:2``); on CUDA the
+workers pick flashinfer attention and CUDA graphs themselves, and their transfer engines let UCX
+choose its transports (cuda_ipc between GPUs of one host).
 """
 
 from __future__ import annotations
@@ -122,8 +127,17 @@ class StackConfig:
     log_dir: str = ""
     ready_timeout: float = 300.0
     stop_timeout: float = 10.0
+    prefill_device: str = "cpu"     # one device, or a comma list the prefill workers take in turn
+    decode_device: str = "cpu"
+    dtype: str = "float32"          # weights and KV of every worker (bfloat16 on GPUs)
+    load_format: str = "auto"       # "dummy": random weights (--model: a shape name or a dir with config.json)
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
+
+    def device_of(self, role: str, idx: int) -> str:
+        """Device of worker ``idx`` of ``role`` ("prefill" | "decode")."""
+        devs = [d.strip() for d in (self.prefill_device if role == "prefill" else self.decode_device).split(",")]
+        return devs[idx % len(devs)]
 
 
 class StackError(RuntimeError):
@@ -190,7 +204,9 @@ class Stack:
             argv = [f"serve-{role}", "--model", c.model, "--host", c.host, "--port", str(self._port(10 + 2 * k)),
                     "--metrics-port", str(self._port(11 + 2 * k)), "--registry", registry,
                     "--advertise-host", c.host, "--worker-id", wid, "--page-size", str(c.page_size),
-                    "--torch-threads", str(threads), "--kv-memory-mb", str(c.kv_memory_mb), *c.worker_args]
+                    "--torch-threads", str(threads), "--kv-memory-mb", str(c.kv_memory_mb),
+                    "--device", c.device_of(role, idx), "--dtype", c.dtype, "--load-format", c.load_format,
+                    *c.worker_args]
             p = Proc(wid, argv, self.log_dir / f"{wid}.log", _WORKER_RE,
                      extra_env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
             self.procs.append(p)
@@ -278,6 +294,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV pool per worker (MiB); the default holds one full-context (8192-token) request "
                         "of the default model (fp32, 46 KB per token)")
     p.add_argument("--torch-threads", type=int, default=0, help="per worker (0 = cores / workers, at least 1)")
+    p.add_argument("--prefill-device", default="cpu",
+                   help="device of the prefill workers: cpu | cuda:N, or a comma list taken in turn")
+    p.add_argument("--decode-device", default="cpu",
+                   help="device of the decode workers: cpu | cuda:N, or a comma list taken in turn")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and KV dtype of every worker (bfloat16 on GPUs)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights (--model: a shape name, or a dir with config.json + tokenizer)")
     p.add_argument("--log-dir", default="", help="child logs (default: a new temp dir)")
     p.add_argument("--endpoints-file", default="", help="also write the endpoints JSON here")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -287,10 +311,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> StackConfig:
     if args.prefill < 1 or args.decode < 1:
         raise SystemExit("up: --prefill and --decode must be >= 1")
+    for flag, spec in (("--prefill-device", args.prefill_device), ("--decode-device", args.decode_device)):
+        for dev in spec.split(","):
+            if not re.fullmatch(r"cpu|cuda(:\d+)?", dev.strip()):
+                raise SystemExit(f"up: {flag}: {dev.strip()!r} is not cpu, cuda or cuda:N")
     return StackConfig(model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
                        host=args.host, prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                        page_size=args.page_size, kv_memory_mb=args.kv_memory_mb, torch_threads=args.torch_threads,
-                       log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout)
+                       log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
+                       prefill_device=args.prefill_device, decode_device=args.decode_device, dtype=args.dtype,
+                       load_format=args.load_format)
 
 
 def print_endpoints(ep: dict, out=sys.stdout) -> None:

@@ -48,7 +48,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--max-context", type=int, default=None, help="tokens per request (default: model's)")
     parser.add_argument("--chunked-prefill-size", type=int, default=512,
                         help="max prompt tokens per prefill forward (bounds how long one step blocks)")
-    parser.add_argument("--transport", default="sm", help="UCX transports: sm | tcp | a UCX_TLS list")
+    parser.add_argument("--transport", default="auto",
+                        help="UCX transports: auto (sm on CPU; on CUDA UCX's own choice, which takes "
+                             "cuda_ipc between GPUs of one host) | all (UCX's own choice) | sm | tcp | "
+                             "a UCX_TLS list")
     parser.add_argument("--transfer-timeout", type=float, default=30.0,
                         help="seconds before a pending KV transfer batch fails")
     parser.add_argument("--kv-checksums", action="store_true",
@@ -74,6 +77,30 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
+def ucx_transports(spec: str, device: str) -> str | None:
+    """UCX_TLS for the transfer engine from ``--transport`` (None = UCX picks among all transports).
+
+    "auto": "sm" for a CPU pool (shared memory between the processes of one host); None for a CUDA
+    pool, so that UCX can use cuda_copy / cuda_ipc for GPU memory (the setting bench/gpu_transfer.py
+    measured GPU -> GPU over cuda_ipc with, research/FACTS.md). "all": None on any device.
+    """
+    if spec == "all" or (spec == "auto" and device.startswith("cuda")):
+        return None
+    return "sm" if spec == "auto" else spec
+
+
+def bind_cuda_device(device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (a no-op for CPU). CUDA's current
+    device is per thread and starts at 0: CUDA-graph capture streams, ``torch.cuda.current_stream()``
+    and kernels launched without a device guard follow it, so a worker on cuda:1 sets it in the main
+    thread (model load, graph capture) and in its scheduler thread (forwards, graph replay)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+
+
 def engine_config(args, rows: int, disable_radix_cache: bool = False):
     from engine.config import EngineConfig
 
@@ -93,6 +120,7 @@ class Worker:
                             format=f"%(asctime)s %(levelname)s {args.worker_id} %(name)s: %(message)s")
         os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: thread dump
+        bind_cuda_device(args.device)  # before the model loads and CUDA graphs are captured
         self.args = args
         self.role = role
         self.worker_id = args.worker_id
@@ -113,12 +141,16 @@ class Worker:
         a = self.args
         self.registry = RegistryClient(a.registry, worker_id=self.worker_id, role=self.role,
                                        model=a.model)
-        self.transfer = TransferEngine(self.worker_id, transports=a.transport,
-                                       timeout_s=a.transfer_timeout, resolver=self.registry)
         loc = "cpu" if runner.device.type == "cpu" else f"cuda:{runner.device.index or 0}"
+        self.transfer = TransferEngine(self.worker_id, transports=ucx_transports(a.transport, loc),
+                                       timeout_s=a.transfer_timeout, resolver=self.registry)
         for buf in runner.kv_pool.buffers():
             self.transfer.register_memory(buf.data_ptr(), buf.numel() * buf.element_size(), loc)
         self.layout = kv_layout(runner.kv_pool, a.model)
+        graphs = runner.graph_runner.buckets if runner.graph_runner is not None else "off"
+        log.info("engine: device=%s dtype=%s attention=%s cuda_graphs=%s kv_pages=%d ucx_tls=%s",
+                 loc, str(runner.dtype).removeprefix("torch."), type(runner.backend).__name__, graphs,
+                 runner.allocator.num_pages, ucx_transports(a.transport, loc) or "(UCX's choice)")
         return self.transfer
 
     def start_server(self, add_service, service_name: str, max_workers: int = 64) -> None:

@@ -45,6 +45,7 @@ from halfmoon import metrics as M
 from prefill_svc.destinations import DestinationBook
 from prefill_svc.kv_runs import PoolGeometry, descriptors, merge_runs
 from pd_common.protocol import ServiceError, drain_jobs, page_checksums, token_logprob
+from pd_common.worker_runtime import bind_cuda_device
 from protos import common_pb2, prefill_pb2
 from transfer_svc.engine import State
 
@@ -207,6 +208,7 @@ class PrefillScheduler:
 
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
+        bind_cuda_device(self.runner.device)  # this thread runs the forwards (CUDA graph replay)
         while not self._stop:
             try:
                 self._drain(self._idle_wait())
@@ -354,7 +356,8 @@ class PrefillScheduler:
                 done.append((i, job))
         if not done:
             return
-        gens = [make_generator(j.params.seed) if not j.params.greedy else None for _, j in done]
+        gens = [make_generator(j.params.seed, self.runner.device) if not j.params.greedy else None
+                for _, j in done]  # on the logits' device (torch.multinomial needs it there)
         out = sample(logits[[i for i, _ in done]], [j.params for _, j in done], gens,
                      [j.ids for _, j in done], [[] for _ in done])
         for k, (_, job) in enumerate(done):

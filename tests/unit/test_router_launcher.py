@@ -1,6 +1,10 @@
-"""Launcher pieces that need no processes: thread budget and the port plan."""
+"""Launcher pieces that need no processes: thread budget, the port plan, per-role devices."""
 
-from halfmoon.launcher import Stack, StackConfig, threads_per_worker
+import argparse
+
+import pytest
+
+from halfmoon.launcher import Stack, StackConfig, add_arguments, config_from_args, threads_per_worker
 
 
 def test_threads_per_worker():
@@ -16,3 +20,18 @@ def test_port_plan(tmp_path):
     assert [st._port(i) for i in (0, 1, 2, 3, 4, 10, 11)] == [50050, 50051, 50052, 50053, 50054, 50060, 50061]
     st0 = Stack(StackConfig(base_port=0, log_dir=str(tmp_path)))
     assert {st0._port(i) for i in range(20)} == {0}  # every process picks a free port
+
+
+def test_per_role_devices_and_dtype():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = config_from_args(p.parse_args(["--decode", "3", "--prefill-device", "cuda:0",
+                                         "--decode-device", "cuda:1,cuda:2", "--dtype", "bfloat16",
+                                         "--load-format", "dummy"]))
+    assert [cfg.device_of("prefill", 0)] == ["cuda:0"]
+    assert [cfg.device_of("decode", i) for i in range(3)] == ["cuda:1", "cuda:2", "cuda:1"]
+    assert (cfg.dtype, cfg.load_format) == ("bfloat16", "dummy")
+    default = config_from_args(p.parse_args([]))
+    assert (default.device_of("prefill", 0), default.device_of("decode", 0), default.dtype) == ("cpu", "cpu", "float32")
+    with pytest.raises(SystemExit, match="--decode-device: 'gpu1'"):
+        config_from_args(p.parse_args(["--decode-device", "cuda:1,gpu1"]))

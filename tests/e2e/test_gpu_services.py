@@ -1,0 +1,388 @@
+"""The GPU path end to end, one process per service as ``halfmoon up`` starts them: the registry, a
+prefill worker on cuda:0, a decode worker on cuda:1 (both on cuda:0 on a one-GPU machine), bf16,
+flashinfer attention and CUDA graphs (what the workers choose on CUDA), the KV moved GPU -> GPU by
+our transfer engine (UCX picks cuda_ipc), and the router. Through the router's gRPC API and its
+OpenAI HTTP API (the real ``openai`` client) the tokens equal those of the co-located engine on one
+GPU with the same weights; a prompt that shares a 544-token prefix with an earlier one finds it on D
+and only its delta pages move; afterwards the KV accounting invariant holds and no lock is held.
+
+Weights: ``--load-format dummy`` (seeded random weights, the same in every process) over a model
+directory with config.json and the tokenizer files: ``$HALFMOON_GPU_MODEL_DIR``
+(``scripts/make_gpu_model_dir.sh`` makes one), else one made in tmp from the local model cache,
+else the test is skipped.
+
+Equal results need equal arithmetic: every request runs alone (decode batch 1 on both sides, the same
+CUDA-graph buckets) and the reference runs the same requests in the same order with the same
+chunked-prefill size, so prefix-cache hits (the shared prompt) are the same on both sides. Random
+weights often repeat one token whatever the context, so tokens alone prove little: every token's
+logprob is compared too (identical arithmetic gives identical float32 values; measured on CPU, one
+prompt token changed 300 positions back moves them by 3e-3, a different chunking by 1e-6).
+
+Mechanics without a GPU (float32, torch attention; not in the default suite, which deselects -m gpu):
+    HALFMOON_GPU_TEST_DEVICES=cpu,cpu .venv/bin/python -m pytest -m gpu tests/e2e/test_gpu_services.py
+``HALFMOON_GPU_TEST_DTYPE`` overrides the dtype (default bfloat16 on CUDA, float32 on CPU).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.conftest import ROOT, assert_idle_accounting, model_available
+
+# the first test also waits for the reference run and the workers' start (flashinfer may JIT-compile)
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+
+MAX_TOKENS = 16
+PAGE = 16
+CHUNK = 512          # --chunked-prefill-size of P and of the reference: same chunks, same arithmetic
+SHARED = 544         # tokens the second long prompt shares with the first (34 pages)
+LONG = 600
+SEED = 1234
+TEMPERATURE = 0.5    # exact in float32 (the proto's type), so P, D and the reference divide by the same
+LOGPROB_TOL = 1e-4   # see the module docstring
+SERVICE_MODULES = ("grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "protos.router_pb2_grpc",
+                   "fastapi", "uvicorn", "openai")
+
+
+@dataclass
+class Setup:
+    prefill_device: str
+    decode_device: str
+    dtype: str
+    model_dir: Path
+
+    @property
+    def cuda(self) -> bool:
+        return self.prefill_device.startswith("cuda")
+
+
+@dataclass
+class Case:
+    """One request, in the order it is sent (and run by the reference)."""
+    name: str
+    ids: list[int]
+    temperature: float = 0.0
+    seed: int | None = None
+    ref: list[int] = field(default_factory=list)
+    ref_logprobs: list[float] = field(default_factory=list)
+
+    def engine_params(self):
+        from engine.sampling_params import SamplingParams
+
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=self.temperature, seed=self.seed,
+                              ignore_eos=True, logprobs=True)
+
+    def problems(self, ids: list[int] | None, logprobs: list[float], via: str) -> list[str]:
+        """What differs from the reference: the tokens (``ids``; None to skip), the logprobs (each
+        within LOGPROB_TOL). Reported together, so one run shows both."""
+        out = []
+        if ids is not None and ids != self.ref:
+            out.append(f"{self.name} via {via}: tokens {ids} != reference {self.ref}")
+        if len(logprobs) != len(self.ref_logprobs):
+            out.append(f"{self.name} via {via}: {len(logprobs)} logprobs, reference {len(self.ref_logprobs)}")
+        else:
+            worst = max(abs(a - b) for a, b in zip(logprobs, self.ref_logprobs))
+            if worst > LOGPROB_TOL:
+                out.append(f"{self.name} via {via}: logprobs differ from the reference by up to {worst:.3g}:"
+                           f"\n   {logprobs}\n   {self.ref_logprobs}")
+        return out
+
+
+def _devices() -> tuple[str, str]:
+    env = os.environ.get("HALFMOON_GPU_TEST_DEVICES", "").strip()
+    if env:
+        devs = [d.strip() for d in env.split(",")]
+        assert len(devs) == 2, f"HALFMOON_GPU_TEST_DEVICES={env!r}: want 'PREFILL_DEVICE,DECODE_DEVICE'"
+        return devs[0], devs[1]
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (HALFMOON_GPU_TEST_DEVICES=cpu,cpu runs the mechanics on CPU)")
+    return ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
+
+
+def _model_dir(tmp: Path) -> Path:
+    env = os.environ.get("HALFMOON_GPU_MODEL_DIR", "").strip()
+    if env:
+        d = Path(env).resolve()
+        assert (d / "config.json").is_file() and (d / "tokenizer.json").is_file(), \
+            f"HALFMOON_GPU_MODEL_DIR={env}: no config.json + tokenizer.json there (scripts/make_gpu_model_dir.sh)"
+        return d
+    if not model_available():
+        pytest.skip("no HALFMOON_GPU_MODEL_DIR and no local model cache to make one from "
+                    "(scripts/make_gpu_model_dir.sh DEST on a machine with `halfmoon models pull`)")
+    d = tmp / "model-smollm2-dummy"
+    subprocess.run([str(ROOT / "scripts" / "make_gpu_model_dir.sh"), str(d)], check=True, cwd=ROOT)
+    return d
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Setup:
+    p_dev, d_dev = _devices()
+    pytest.importorskip("libucx", reason="the transfer engine binds libucp from the libucx package")
+    missing = []
+    for mod in SERVICE_MODULES:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # ImportError, or the grpc stubs' RuntimeError for an old grpcio
+            missing.append(f"{mod}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    if missing:
+        pytest.fail("the services need these Python packages here (pyproject dependencies / [test] extra):\n  "
+                    + "\n  ".join(missing), pytrace=False)
+    dtype = os.environ.get("HALFMOON_GPU_TEST_DTYPE") or ("bfloat16" if p_dev.startswith("cuda") else "float32")
+    return Setup(p_dev, d_dev, dtype, _model_dir(tmp_path_factory.mktemp("gpu-model")))
+
+
+@pytest.fixture(scope="module")
+def tok(setup):
+    from router_svc.tokenizer import RouterTokenizer
+
+    return RouterTokenizer(setup.model_dir.name, setup.model_dir)  # what the router loads from --model
+
+
+LONG_TEXT = "".join(f"Log {i}: the keeper of light {i % 7} counted {3 * i + 1} ships and {i * i % 97} gulls "
+                    f"before the {['storm', 'fog', 'dawn', 'tide'][i % 4]} came. " for i in range(120))
+HTTP_TEXT = "Write one sentence about the oldest lighthouse on the northern coast:"
+STREAM_TEXT = "List three things a ship's cook keeps in the galley during a long voyage:"
+STOP_TEXT = "Describe the sound of a foghorn at night in a few words:"
+CHAT = [{"role": "user", "content": "Why did lighthouses need keepers before electricity?"}]
+
+
+@pytest.fixture(scope="module")
+def cases(setup, tok) -> dict[str, Case]:
+    """Every request of the module and its reference output: the co-located engine (one process, the
+    prefill worker's device), same weights and config, the requests one at a time in module order."""
+    long_ids = tok.encode(LONG_TEXT)[:LONG]
+    assert len(long_ids) == LONG
+    tail = tok.encode(" Question: which storm sank the most ships, and who rang the bell?")
+    assert tail[0] != long_ids[SHARED]
+    cs = [Case("one", tok.encode("Lighthouse")[:1]),
+          Case("forty", tok.encode("The keeper climbed the ninety-nine stairs of the tower at dusk, "
+                                   "lit the great lamp, wound the clockwork that turned the lens, and")),
+          Case("long", long_ids),
+          Case("shared", long_ids[:SHARED] + tail),       # after "long": D and P hold its prefix
+          Case("sampled", tok.encode("A short poem about the sea, in the voice of a gull:"), TEMPERATURE, SEED),
+          Case("http", tok.encode(HTTP_TEXT)),
+          Case("http_stream", tok.encode(STREAM_TEXT)),
+          Case("chat", tok.encode_chat(CHAT)),
+          Case("stop", tok.encode(STOP_TEXT))]
+    for a in cs:  # only "shared" may share a page with an earlier prompt
+        for b in cs:
+            if a is not b and (a.name, b.name) not in (("long", "shared"), ("shared", "long")):
+                assert a.ids[:PAGE] != b.ids[:PAGE] or len(a.ids) < PAGE or len(b.ids) < PAGE, (a.name, b.name)
+    _colocated(setup, cs)
+    # the random model still answers different prompts differently (else equal tokens would be trivial)
+    assert len({tuple(c.ref) for c in cs}) >= len(cs) // 2, [c.ref for c in cs]
+    assert cases_differ(cs[2], cs[3]), "the shared-prefix prompt's logprobs equal the first one's"
+    return {c.name: c for c in cs}
+
+
+def cases_differ(a: Case, b: Case) -> bool:
+    return a.ref != b.ref or max(abs(x - y) for x, y in zip(a.ref_logprobs, b.ref_logprobs)) > 10 * LOGPROB_TOL
+
+
+def _colocated(setup: Setup, cs: list[Case]) -> None:
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    cfg = EngineConfig(model=str(setup.model_dir), load_format="dummy", dtype=setup.dtype,
+                       device=setup.prefill_device, page_size=PAGE, num_pages=512,
+                       max_running_requests=16,  # = D's rows (2 x --max-running-requests): same graph buckets
+                       chunked_prefill_size=CHUNK, seed=0, torch_threads=None if setup.cuda else 1)
+    eng = Engine(config=cfg)
+    try:
+        for c in cs:
+            out = eng.generate([c.ids], c.engine_params())[0]
+            c.ref, c.ref_logprobs = list(out.token_ids), list(out.logprobs)
+            assert len(c.ref) == len(c.ref_logprobs) == MAX_TOKENS, c.name
+    finally:
+        del eng
+        gc.collect()
+        if setup.cuda:
+            torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def stack(setup, cases, tmp_path_factory):
+    """Registry, P, D and router from ``halfmoon up``'s launcher (started after the reference ran, so
+    flashinfer's JIT-compiled modules are in its cache for the workers)."""
+    from halfmoon.launcher import Stack, StackConfig
+
+    log_dir = tmp_path_factory.mktemp("gpu-stack")
+    cfg = StackConfig(model=str(setup.model_dir), prefill=1, decode=1, base_port=0, kv_memory_mb=128,
+                      torch_threads=4 if setup.cuda else 1, log_dir=str(log_dir), ready_timeout=420,
+                      stop_timeout=15, prefill_device=setup.prefill_device, decode_device=setup.decode_device,
+                      dtype=setup.dtype, load_format="dummy",
+                      worker_args=["--chunked-prefill-size", str(CHUNK), "--max-running-requests", "8",
+                                   "--transfer-log", str(log_dir / "transfer.jsonl")])
+    with Stack(cfg) as st:
+        yield st
+        dead = [p.name for p in st.dead()]
+        assert not dead, f"processes died during the tests: {dead}; logs in {log_dir}"
+    leftovers = [p.name for p in st.procs if p.alive()]
+    assert not leftovers, f"processes left running after stop: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def stub(stack):
+    from tests.e2e.conftest import router_stub
+
+    ch, s = router_stub(stack)
+    yield s
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{stack.endpoints['router']['http']}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def served_model(stub) -> str:
+    from protos import router_pb2
+
+    (m,) = stub.ListModels(router_pb2.ListModelsRequest()).models
+    return m.id
+
+
+def _generate(stub, case: Case, request_id: str):
+    """(token ids, logprobs, last GenerateResponse) of ``case`` through Router.Generate (token ids in)."""
+    from protos import common_pb2, router_pb2
+
+    s = common_pb2.SamplingParams(temperature=case.temperature, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                  logprobs=True)
+    if case.seed is not None:
+        s.seed = case.seed
+    resps = list(stub.Generate(router_pb2.GenerateRequest(request_id=request_id, token_ids=router_pb2.TokenIds(
+        ids=case.ids), sampling=s), timeout=300))
+    ids = [t for r in resps for t in r.token_ids]
+    lps = [lp for r in resps for lp in r.logprobs]
+    assert [lp.token_id for lp in lps] == ids
+    return ids, [lp.logprob for lp in lps], resps[-1]
+
+
+def _kv_bytes_per_page(setup: Setup) -> int:
+    from engine.config import ModelConfig, _parse_dtype
+
+    mc = ModelConfig.from_dir(setup.model_dir)
+    elt = torch.empty(0, dtype=_parse_dtype(setup.dtype)).element_size()
+    return 2 * mc.num_layers * PAGE * mc.num_kv_heads * mc.head_dim * elt
+
+
+def _batches(stack, request_id: str) -> list[dict]:
+    log = stack.log_dir / "transfer.jsonl"  # P's --transfer-log: one line per KV batch and notice
+    recs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return [r for r in recs if r.get("request_id") == request_id and r["event"] == "batch"]
+
+
+def test_workers_run_where_asked(setup, stack):
+    """Each worker logs what it runs on: the device asked for, and on CUDA bf16 + flashinfer + CUDA
+    graphs chosen by the engine (nothing forces them) and UCX free to pick its CUDA transports."""
+    rx = re.compile(r"engine: device=(\S+) dtype=(\S+) attention=(\S+) cuda_graphs=(off|\[[^\]]*\]) "
+                    r"kv_pages=(\d+) ucx_tls=(.+)")
+    for name, dev in (("prefill-0", setup.prefill_device), ("decode-0", setup.decode_device)):
+        proc = next(p for p in stack.procs if p.name == name)
+        m = rx.search(proc.log.read_text(errors="replace"))
+        assert m, f"{name}: no engine line in {proc.log}"
+        want = dev if ":" in dev or dev == "cpu" else f"{dev}:0"
+        assert (m.group(1), m.group(2)) == (want, setup.dtype), (name, m.group(0))
+        if setup.cuda:
+            assert m.group(3) == "FlashInferAttentionBackend" and m.group(4) != "off", (name, m.group(0))
+            assert m.group(6) == "(UCX's choice)", (name, m.group(0))
+        else:
+            assert (m.group(3), m.group(4), m.group(6)) == ("TorchAttentionBackend", "off", "sm"), (name, m.group(0))
+
+
+def test_grpc_greedy_equals_colocated_and_shared_prefix_moves_the_delta(setup, stack, stub, cases):
+    page_bytes = _kv_bytes_per_page(setup)
+    problems = []
+    for name in ("one", "forty", "long", "shared"):
+        c = cases[name]
+        ids, lps, last = _generate(stub, c, f"gpu-{name}")
+        problems += c.problems(ids, lps, "gRPC")
+        u = last.usage
+        assert last.finish_reason == "length" and u.completion_tokens == MAX_TOKENS, name
+        assert u.prompt_tokens == len(c.ids) and 0 <= u.cached_tokens <= u.prompt_tokens, name
+        assert (last.prefill_worker, last.decode_worker) == ("prefill-0", "decode-0")
+        pre = u.decode_prefix_tokens
+        pages = -(-len(c.ids) // PAGE) - pre // PAGE
+        if name == "shared":
+            # D holds the 34 shared pages from "long" (radix hit), P reused its own cache for them
+            assert pre == SHARED and u.cached_tokens == SHARED, u
+        else:
+            assert pre == 0, (name, u)
+        assert u.kv_pages_transferred == pages and u.kv_bytes_transferred == pages * page_bytes, (name, u)
+        logged = [p for b in _batches(stack, f"gpu-{name}") for p in b["logical_pages"]]
+        assert logged == list(range(pre // PAGE, -(-len(c.ids) // PAGE))), (name, logged)
+        assert sum(b["bytes"] for b in _batches(stack, f"gpu-{name}")) == pages * page_bytes
+    assert not problems, "\n".join(problems)
+
+
+def test_seeded_sampling_equals_colocated(stub, cases):
+    """temperature 0.5, seed 1234: P samples the first token, D continues from P's generator state
+    (on the logits' device), the co-located engine draws the same sequence."""
+    c = cases["sampled"]
+    ids, lps, last = _generate(stub, c, "gpu-sampled")
+    problems = c.problems(ids, lps, "gRPC")
+    assert not problems, "\n".join(problems)
+    assert last.usage.kv_pages_transferred == -(-len(c.ids) // PAGE)
+
+
+def test_openai_http_equals_colocated(client, served_model, cases, tok):
+    """Text prompt, streamed text prompt, chat messages: the text of the reference tokens (the router
+    detokenizes), and each token's logprob where the API returns it."""
+    def text_problem(c: Case, got: str, via: str) -> list[str]:
+        want = tok.hf.decode(c.ref, skip_special_tokens=True)
+        return [] if got == want else [f"{c.name} via {via}: text {got!r} != reference {want!r}"]
+
+    c = cases["http"]
+    r = client.completions.create(model=served_model, prompt=HTTP_TEXT, max_tokens=MAX_TOKENS, temperature=0,
+                                  logprobs=1, extra_body={"ignore_eos": True})
+    problems = text_problem(c, r.choices[0].text, "/v1/completions")
+    problems += c.problems(None, r.choices[0].logprobs.token_logprobs, "/v1/completions")
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(c.ids), MAX_TOKENS)
+
+    c = cases["http_stream"]
+    stream = client.completions.create(model=served_model, prompt=STREAM_TEXT, max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    problems += text_problem(c, "".join(ch.choices[0].text for ch in stream), "/v1/completions stream")
+
+    c = cases["chat"]
+    r = client.chat.completions.create(model=served_model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=True, extra_body={"ignore_eos": True})
+    problems += text_problem(c, r.choices[0].message.content, "/v1/chat/completions")
+    problems += c.problems(None, [x.logprob for x in r.choices[0].logprobs.content], "/v1/chat/completions")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(c.ids), MAX_TOKENS)
+    assert not problems, "\n".join(problems)
+
+
+def test_stop_string_with_dummy_weights(client, served_model, cases, tok):
+    """A stop string needs the decode worker's tokenizer: with --load-format dummy it comes from the
+    model directory. The text ends right before the first occurrence of the stop string."""
+    full = tok.hf.decode(cases["stop"].ref, skip_special_tokens=True)
+    words = [m.group(0) for m in re.finditer(r"[A-Za-z]{3,}", full) if m.start() > 0]
+    if not words:
+        pytest.skip(f"no 3-letter word after the start of the reference text {full!r} to stop on")
+    word = words[0]
+    r = client.completions.create(model=served_model, prompt=STOP_TEXT, max_tokens=MAX_TOKENS, temperature=0,
+                                  stop=[word], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[:full.index(word)]
+
+
+def test_kv_accounting_idle_after_everything(stack):
+    from tests.e2e.conftest import worker_targets
+
+    acc = assert_idle_accounting(worker_targets(stack))
+    assert acc["decode"].evictable_pages > 0  # D's radix cache kept the prompts (what made "shared" cheap)
