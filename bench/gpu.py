@@ -301,13 +301,30 @@ def decode(args) -> dict:
             for _ in range(args.iters):
                 step()
             ms_step = (time.perf_counter() - t0) / args.iters * 1e3
+            # host time of one step's launch (input copies + plan + replay launch), GPU idle meanwhile
+            host = []
+            for _ in range(args.iters):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                runner.forward(batch)
+                host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+            ms_host = statistics.median(host)
+            # steps queued back to back with no per-step sync: the step time of a scheduler that
+            # prepares step n+1 while the GPU runs step n (sglang's overlap scheduler); ours syncs
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                runner.forward(batch)
+            torch.cuda.synchronize()
+            ms_pipelined = (time.perf_counter() - t0) / args.iters * 1e3
             kv_read = B * C * kv_tok
             floor_bytes = wbytes + kv_read + B * ebytes // mc.vocab_size
             floor_ms = floor_bytes / bw * 1e3
             row = {"batch": B, "context": C, "graph_ms": ms_graph, "replay_ms": ms_replay, "step_ms": ms_step,
                    "floor_ms": floor_ms, "frac_of_floor_replay": floor_ms / ms_replay,
                    "weight_bytes": wbytes, "kv_bytes": kv_read, "frac_of_floor_graph": floor_ms / ms_graph,
-                   "frac_of_floor_step": floor_ms / ms_step,
+                   "frac_of_floor_step": floor_ms / ms_step, "host_ms": ms_host, "pipelined_ms": ms_pipelined,
+                   "frac_of_floor_pipelined": floor_ms / ms_pipelined,
                    "achieved_TBps_graph": floor_bytes / (ms_graph / 1e3) / 1e12}
             if B in args.eager_batches and C == contexts[0]:
                 eager = lambda: runner.model(batch, runner.backend)  # noqa: E731
@@ -526,11 +543,14 @@ def table(res: dict) -> str:
         lines.append(f"ceilings: copy {c['copy_bw_Bps'] / 1e12:.2f} TB/s, bf16 GEMM {c['gemm_flops'] / 1e12:.0f} TFLOP/s")
     d = res.get("decode")
     if d and "rows" in d:
-        lines.append("decode  B   ctx   graph_ms  step_ms  floor_ms  floor/graph  floor/step  eager_ms")
+        lines.append("decode  B   ctx   graph_ms replay_ms step_ms host_ms pipe_ms floor_ms  floor/replay"
+                     "  floor/step  floor/pipe  eager_ms")
         for r in d["rows"]:
-            lines.append(f"      {r['batch']:4d} {r['context']:5d} {r['graph_ms']:9.3f} {r['step_ms']:8.3f} "
-                         f"{r['floor_ms']:9.3f} {r['frac_of_floor_graph']:11.1%} {r['frac_of_floor_step']:10.1%}"
-                         f"  {r.get('eager_ms', float('nan')):8.3f}")
+            lines.append(f"      {r['batch']:4d} {r['context']:5d} {r['graph_ms']:9.3f} {r['replay_ms']:9.3f} "
+                         f"{r['step_ms']:7.3f} {r.get('host_ms', float('nan')):7.3f} "
+                         f"{r.get('pipelined_ms', float('nan')):7.3f} {r['floor_ms']:8.3f} "
+                         f"{r['frac_of_floor_replay']:12.1%} {r['frac_of_floor_step']:11.1%} "
+                         f"{r.get('frac_of_floor_pipelined', float('nan')):11.1%}  {r.get('eager_ms', float('nan')):8.3f}")
     pf = res.get("prefill")
     if pf and "ms" in pf:
         lines.append(f"prefill {pf['tokens']} tok: {pf['ms']:.1f} ms, floor {pf['floor_ms']:.1f} ms "

@@ -5,14 +5,18 @@ gaps cost more than the memory traffic at small batch. Capturing the whole forwa
 every layer, final norm, lm_head) once per bucket and replaying it removes them.
 
 Per step (:meth:`CudaGraphRunner.replay`), outside the graph: copy input ids / positions /
-``out_cache_loc`` into the static buffers (device-to-device, padded to the bucket), build the page
-table on the device and ``plan`` the bucket's graph-mode flashinfer decode wrapper from host-side
-lengths (``ForwardBatch.seq_lens_cpu``), then replay. Nothing in a step waits for the device; the
-caller's sampling (argmax / sampler on the device) is the step's only sync.
+``out_cache_loc`` / request rows into the static buffers (device-to-device, padded to the bucket)
+and ``plan`` the bucket's graph-mode flashinfer decode wrapper from host-side lengths
+(``ForwardBatch.seq_lens_cpu``: page counts -> ``indptr``, ``last_page_len``), then replay. The page
+ids themselves are gathered *inside* the graph (:meth:`CudaGraphRunner._fill_page_ids`, fixed shape
+``[b * pages_per_row]``) from ``req_to_token`` and the planned ``indptr``, so the host launches no
+page-table kernels per step. Nothing in a step waits for the device; the caller's sampling (argmax /
+sampler on the device) is the step's only sync.
 
 Padding: a batch of B requests runs in the smallest bucket b >= B; the b - B pad entries have
-length 1, attend to a scratch page that no request owns (``ModelRunner`` allocates the KV pool one
-page larger than the allocator's) and store their K/V there.
+length 1 and read one page of request row 0 (read only, their outputs are dropped) and store their
+K/V in a scratch page that no request owns (``ModelRunner`` allocates the KV pool one page larger
+than the allocator's).
 
 After sglang's ``cuda_graph_runner.py`` (buckets, padding, plan-before-replay) and flashinfer's
 ``use_cuda_graph`` decode wrappers.
@@ -24,7 +28,7 @@ import bisect
 
 import torch
 
-from engine.attention.flashinfer_backend import FlashInferAttentionBackend, page_table
+from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 from engine.forward_batch import ForwardBatch, ForwardMode
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -73,9 +77,14 @@ class CudaGraphRunner:
         self.ones = torch.ones(max_batch, **i64)
         self.zeros = torch.zeros(max_batch, **i64)
         self.out_cache_loc = torch.full((max_batch,), self.scratch_slot, **i64)
-        pages_per_row = -(-runner.max_context // ps)
+        self.pages_per_row = pages_per_row = -(-runner.max_context // ps)
+        self.max_context = runner.max_context
         self.indices = torch.zeros(max_batch * pages_per_row + max_batch, dtype=torch.int32, device=dev)
+        # j: flat page-table position (int32 like flashinfer's indptr: searchsorted wants one dtype)
+        self.page_slot = torch.arange(max_batch * pages_per_row, dtype=torch.int32, device=dev)
+        self.indptr: dict[int, torch.Tensor] = {}  # per bucket: int32 [b + 1], written by plan
         self.wrappers: dict[int, object] = {}
+        self._no_indices = torch.empty(0, dtype=torch.int32, device=dev)  # plan copies no page ids
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.mempool = torch.cuda.graph_pool_handle()
@@ -97,25 +106,35 @@ class CudaGraphRunner:
                             out_cache_loc=self.out_cache_loc[:b])
 
     def _plan(self, b: int, batch: ForwardBatch | None) -> None:
-        """Plan bucket ``b``'s wrapper: the batch's real page table, then b - B one-token pad entries."""
-        B = 0 if batch is None else batch.batch_size
-        if B:
-            seq, _ = batch.host_lens()
-            indptr, idx, last = page_table(self.runner.req_to_token_pool.req_to_token, batch.req_pool_indices,
-                                           seq, self.page_size)
-        else:
-            indptr = torch.zeros(1, dtype=torch.int32)
-            idx = torch.empty(0, dtype=torch.int32, device=self.device)
-            last = torch.empty(0, dtype=torch.int32)
-        pad = b - B
-        if pad:
-            indptr = torch.cat([indptr, indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)])
-            idx = torch.cat([idx, torch.full((pad,), self.scratch_page, dtype=torch.int32, device=self.device)])
-            last = torch.cat([last, torch.ones(pad, dtype=torch.int32)])
-        self.backend.plan_decode(self.wrappers[b], indptr, idx, last)
+        """Plan bucket ``b``'s wrapper from host-side lengths: the batch's B requests, then b - B
+        one-token pad entries. Page ids are not passed: the graph gathers them (``_fill_page_ids``)."""
+        ps = self.page_size
+        seq = torch.ones(b, dtype=torch.int64)
+        if batch is not None and batch.batch_size:
+            seq[: batch.batch_size] = batch.host_lens()[0]
+        npages = (seq + ps - 1) // ps
+        indptr = torch.zeros(b + 1, dtype=torch.int32)
+        torch.cumsum(npages, 0, out=indptr[1:])
+        last = (seq - (npages - 1) * ps).to(torch.int32)
+        self.backend.plan_decode(self.wrappers[b], indptr, self._no_indices, last)
+
+    def _fill_page_ids(self, b: int) -> None:
+        """(Captured in the graph.) Page ids of bucket ``b``'s rows into ``self.indices``: flat
+        position j of the page table belongs to entry i = searchsorted(indptr, j, right) - 1 and is
+        page (j - indptr[i]) of row ``rows[i]``, i.e. ``req_to_token[rows[i], (j - indptr[i]) * ps] // ps``.
+        Computed for all ``b * pages_per_row`` positions (a fixed shape); positions past ``indptr[b]``
+        get clamped, unused values."""
+        indptr = self.indptr[b]
+        j = self.page_slot[: b * self.pages_per_row]
+        entry = (torch.searchsorted(indptr, j, right=True) - 1).clamp_(0, b - 1)
+        pos = ((j - indptr[entry]) * self.page_size).clamp_(0, self.max_context - 1).long()
+        r2t = self.runner.req_to_token_pool.req_to_token
+        pages = torch.div(r2t[self.rows[:b][entry], pos], self.page_size, rounding_mode="floor")
+        self.indices[: j.numel()].copy_(pages)
 
     def _capture(self, b: int) -> None:
-        self.wrappers[b] = self.backend.make_decode_wrapper(b, self.indices)
+        self.indptr[b] = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
+        self.wrappers[b] = self.backend.make_decode_wrapper(b, self.indices, self.indptr[b])
         self._plan(b, None)
         batch = self._static_batch(b)
         planned = _Planned(self.backend, self.wrappers[b])
@@ -123,10 +142,12 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph (cuBLAS handles, lazy inits)
+                self._fill_page_ids(b)
                 self.model(batch, planned)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.mempool):
+            self._fill_page_ids(b)
             self.logits[b] = self.model(batch, planned)
         self.graphs[b] = g
 
@@ -142,9 +163,11 @@ class CudaGraphRunner:
         self.input_ids[:B].copy_(batch.input_ids, non_blocking=True)
         self.positions[:B].copy_(batch.positions, non_blocking=True)
         self.out_cache_loc[:B].copy_(batch.out_cache_loc, non_blocking=True)
+        self.rows[:B].copy_(batch.req_pool_indices, non_blocking=True)
         if b > B:
             self.input_ids[B:b].zero_()
             self.positions[B:b].zero_()
+            self.rows[B:b].zero_()
             self.out_cache_loc[B:b].fill_(self.scratch_slot)
         self._plan(b, batch)
         self.graphs[b].replay()

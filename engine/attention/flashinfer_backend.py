@@ -115,14 +115,18 @@ class FlashInferAttentionBackend(AttentionBackend):
                          for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]
         self._wrapper = None
 
-    def make_decode_wrapper(self, batch_size: int, indices_buffer: torch.Tensor):
+    def make_decode_wrapper(self, batch_size: int, indices_buffer: torch.Tensor,
+                            indptr_buffer: torch.Tensor | None = None):
         """A cuda-graph-mode decode wrapper for exactly ``batch_size`` requests; ``indices_buffer``
         (int32 [max pages in all], may be shared by wrappers that never run concurrently) holds the
-        page ids, so a graph captured over this wrapper stays valid across plans."""
+        page ids and ``indptr_buffer`` (int32 [batch_size + 1], made here when None) the per-request
+        page offsets that ``plan`` writes, so a graph captured over this wrapper stays valid across plans."""
         dev = self.kv_pool.device
+        if indptr_buffer is None:
+            indptr_buffer = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=dev),
+            paged_kv_indptr_buffer=indptr_buffer,
             paged_kv_indices_buffer=indices_buffer,
             paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=dev))
 

@@ -47,6 +47,39 @@ def test_page_table_of_an_empty_row_has_no_page():
     assert last.tolist() == [2, 0, 4]
 
 
+def test_graph_page_ids_match_page_table():
+    # the CUDA graph gathers page ids itself from the planned indptr (fixed shape); the same tensor ops
+    # run on the CPU here against page_table for random rows, lengths and a padded bucket
+    from engine.cuda_graph_runner import CudaGraphRunner
+
+    ps, max_ctx, b, B = 4, 64, 6, 4
+    r2t = ReqToTokenPool(8, max_ctx, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for row in range(8):
+        r2t.write(row, 0, torch.randperm(100, generator=g)[: max_ctx // ps].repeat_interleave(ps) * ps
+                  + torch.arange(ps).repeat(max_ctx // ps))
+    rows = torch.tensor([5, 1, 7, 2])
+    seq = torch.tensor([9, 1, 64, 17])
+    gr = CudaGraphRunner.__new__(CudaGraphRunner)
+    gr.page_size, gr.max_context, gr.pages_per_row = ps, max_ctx, max_ctx // ps
+    gr.runner = type("R", (), {"req_to_token_pool": r2t})()
+    gr.rows = torch.cat([rows, torch.zeros(b - B, dtype=torch.int64)])
+    gr.page_slot = torch.arange(b * gr.pages_per_row, dtype=torch.int32)
+    gr.indices = torch.full((b * gr.pages_per_row + b,), -1, dtype=torch.int32)
+    full_seq = torch.cat([seq, torch.ones(b - B, dtype=torch.int64)])
+    npages = (full_seq + ps - 1) // ps
+    indptr = torch.zeros(b + 1, dtype=torch.int32)
+    torch.cumsum(npages, 0, out=indptr[1:])
+    gr.indptr = {b: indptr}
+    gr._fill_page_ids(b)
+    ref_indptr, ref_idx, _ = page_table(r2t.req_to_token, rows, seq, ps)
+    n = int(ref_indptr[-1])
+    assert indptr[: B + 1].tolist() == ref_indptr.tolist()
+    assert gr.indices[:n].tolist() == ref_idx.tolist()
+    # pad entries read page 0 of row 0 (read only)
+    assert gr.indices[n:n + b - B].tolist() == [int(r2t.req_to_token[0, 0]) // ps] * (b - B)
+
+
 def test_auto_backend_is_torch_on_cpu_and_fp32():
     assert resolve_backend_name("auto", torch.device("cpu"), torch.bfloat16) == "torch"
     assert resolve_backend_name("auto", torch.device("cuda"), torch.float32) == "torch"
