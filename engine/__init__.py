@@ -5,8 +5,10 @@ Files (one concept each):
   errors.py              InvalidRequestError(field), ResourceExhaustedError
   page_allocator.py      PageAllocator: free list of KV pages; alloc_slots(cur_len, new_len, last_slot)
   req_to_token_pool.py   ReqToTokenPool: rows x max_context -> slot (int64)
-  kv_pool.py             KVPool: per-layer K/V [num_pages*page_size, kv_heads, head_dim];
-                         buffers() = [K_0, V_0, K_1, ...], page_bytes (bytes of one page in one buffer)
+  kv_pool.py             KVPool: per-layer K/V views k_pages(l)/v_pages(l) [num_pages, page_size, kv_heads,
+                         head_dim]; layout page_major (default: one region [pages, layers, 2, ...], a page
+                         run = one byte range) or layer_major; buffers() (what to register), page_bytes,
+                         page_stride_bytes; write(layer, slots, k, v), read(layer, slots)
   forward_batch.py       ForwardBatch (EXTEND | DECODE, packed ragged tokens, out_cache_loc)
   attention/             AttentionBackend interface (base.py), torch backend (torch_backend.py)
   models/llama.py        Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2); models/rotary.py
@@ -25,6 +27,7 @@ Files (one concept each):
 
 Seams the PD services use: ``ModelRunner`` (drive it directly with ``ForwardBatch.build`` and an
 explicit ``out_cache_loc``), ``runner.req_to_token_pool`` / ``runner.allocator`` /
-``runner.kv_pool.buffers()`` + ``page_bytes`` (register with the transfer engine), ``sampler.sample``
+``runner.kv_pool.buffers()`` (register with the transfer engine) + ``pd_common.protocol.kv_layout``
+(its KVLayout: layout, page_bytes, page_stride_bytes), ``sampler.sample``
 with ``SamplingParams``.
 """

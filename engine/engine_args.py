@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import EngineConfig
+from engine.kv_pool import KV_LAYOUTS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (default: 1 when --workers-on-host > 1, else torch's)")
     g.add_argument("--workers-on-host", type=int, default=1, help="engine processes sharing this machine")
     g.add_argument("--attention-backend", default=d.attention_backend)
+    g.add_argument("--kv-layout", default=d.kv_layout, choices=KV_LAYOUTS,
+                   help="KV pool layout: page_major (a page run is one transfer put) | layer_major")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -39,4 +42,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_running_requests=args.max_running_requests, max_context=args.max_context,
         chunked_prefill_size=args.chunked_prefill_size, disable_radix_cache=args.disable_radix_cache,
         torch_threads=args.torch_threads, workers_on_host=args.workers_on_host,
-        attention_backend=args.attention_backend)
+        attention_backend=args.attention_backend, kv_layout=args.kv_layout)

@@ -52,7 +52,7 @@ class ModelRunner:
         # the pool has one page more than the allocator hands out.
         self.scratch_page = num_pages if use_graphs else None
         self.kv_pool = KVPool(num_pages + int(use_graphs), config.page_size, mc.num_layers, mc.num_kv_heads,
-                              mc.head_dim, self.dtype, self.device)
+                              mc.head_dim, self.dtype, self.device, layout=config.kv_layout)
         self.allocator = PageAllocator(num_pages, config.page_size, self.device)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context, self.device)
         self.backend = create_backend(backend_name, kv_pool=self.kv_pool,

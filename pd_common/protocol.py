@@ -104,18 +104,26 @@ def token_logprob(token_id: int, logprob: float | None,
 
 
 def kv_layout(kv_pool, model: str) -> registry_pb2.KVLayout:
-    """The ``layer_major`` KVLayout of an ``engine.kv_pool.KVPool`` (buffers K_0, V_0, K_1, ...)."""
+    """The KVLayout of an ``engine.kv_pool.KVPool``, in the pool's own layout.
+
+    page_major: ``buffer_addrs`` = [the one region], ``page_stride_bytes`` = a whole page (every
+    layer's K and V, ``2 * num_layers * page_bytes``); layer_major: ``buffer_addrs`` = [K_0, V_0, K_1,
+    ...], ``page_stride_bytes`` = ``page_bytes``. ``page_bytes`` is one page of one layer's K or V.
+    """
     bufs = kv_pool.buffers()
     return registry_pb2.KVLayout(
-        layout="layer_major", num_layers=kv_pool.num_layers, page_size=kv_pool.page_size,
+        layout=kv_pool.layout, num_layers=kv_pool.num_layers, page_size=kv_pool.page_size,
         num_pages=kv_pool.num_pages, kv_heads=kv_pool.num_kv_heads, head_dim=kv_pool.head_dim,
         dtype=str(kv_pool.dtype).removeprefix("torch."),
         buffer_addrs=[b.data_ptr() for b in bufs], page_bytes=kv_pool.page_bytes,
-        page_stride_bytes=kv_pool.page_bytes, model=model)
+        page_stride_bytes=kv_pool.page_stride_bytes, model=model)
 
 
 def page_checksums(kv_pool, pages: Sequence[int]) -> list[int]:
-    """crc32 (zlib) of each page's bytes across every buffer in ``[K_0, V_0, K_1, ...]`` order.
+    """crc32 (zlib) of each page's bytes in ``K_0, V_0, K_1, V_1, ...`` order (layer by layer, K then V).
+
+    That order is a page_major page's own byte order, so both layouts give the same checksum for the
+    same K/V contents (a P and a D of different layouts could compare them).
 
     Args:
         kv_pool: an ``engine.kv_pool.KVPool`` (CPU memory; CUDA pools are copied to the host).
@@ -123,17 +131,12 @@ def page_checksums(kv_pool, pages: Sequence[int]) -> list[int]:
     Returns:
         One unsigned 32-bit int per page, in order.
     """
-    ps = kv_pool.page_size
-    views = [b.view(-1, ps * b.shape[1] * b.shape[2]) for b in kv_pool.buffers()]
     out = []
     for p in pages:
-        crc = 0
-        for v in views:
-            row = v[int(p)]
-            if row.device.type != "cpu":
-                row = row.cpu()
-            crc = zlib.crc32(row.contiguous().view(torch.uint8).numpy().tobytes(), crc)
-        out.append(crc)
+        p = int(p)
+        page = torch.stack([t[p] for layer in range(kv_pool.num_layers)
+                            for t in (kv_pool.k_pages(layer), kv_pool.v_pages(layer))])  # [2L, ps, kvh, hd]
+        out.append(zlib.crc32(page.cpu().contiguous().view(torch.uint8).numpy().tobytes()))
     return out
 
 

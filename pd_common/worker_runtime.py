@@ -41,6 +41,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--worker-id", default=f"{role}-{socket.gethostname()}-{os.getpid()}",
                         help="worker id = transfer segment name")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--kv-layout", default="page_major", choices=["page_major", "layer_major"],
+                        help="KV pool layout (P and D must match): page_major = one transfer put per "
+                             "page run | layer_major = one per run per layer per K/V")
     parser.add_argument("--kv-memory-mb", type=float, default=512.0, help="KV pool budget in MiB")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-memory-mb)")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op torch threads")
@@ -109,7 +112,8 @@ def engine_config(args, rows: int, disable_radix_cache: bool = False):
                         page_size=args.page_size, kv_memory=int(args.kv_memory_mb * (1 << 20)),
                         num_pages=args.num_pages, max_running_requests=rows,
                         max_context=args.max_context, chunked_prefill_size=args.chunked_prefill_size,
-                        disable_radix_cache=disable_radix_cache, torch_threads=args.torch_threads)
+                        disable_radix_cache=disable_radix_cache, torch_threads=args.torch_threads,
+                        kv_layout=args.kv_layout)
 
 
 class Worker:

@@ -3,7 +3,9 @@
 P writes its *logical* pages ``pre_len/page_size ...`` (physical ids ``src_pages``) into D's
 physical pages ``dst_pages`` (the delta only, in the same order). Consecutive pairs whose source
 and destination ids both grow by one form a *run*; each run becomes one descriptor per KV buffer
-(layer_major: per layer per K/V), and every descriptor of a chunk goes in one submitted batch.
+(layer_major: per layer per K/V) or, in a page_major pool where a run is one byte range for all
+layers, ONE descriptor (a 4-page run of a 32-layer model: 64 -> 1); every descriptor of a chunk goes
+in one submitted batch.
 Same idea as SGLang's ``group_concurrent_contiguous`` (disaggregation/common/utils.py); the
 DESIGN.md §6 reason: one UCX put costs about 1 µs on shared memory, so O(runs) not O(pages).
 """
@@ -56,8 +58,9 @@ class PoolGeometry:
         ``buffer_addrs[b] + p * page_bytes`` (pages of one buffer are contiguous, so a run is one range).
     layout "page_major": one region; page p of buffer b starts at
         ``buffer_addrs[0] + p * page_stride_bytes + b * page_bytes``; when a page's buffers are
-        back to back (``page_stride_bytes == len(buffers) * page_bytes``) a run is one range for all
-        buffers at once.
+        back to back (``page_stride_bytes == num_buffers * page_bytes``, as ``engine.kv_pool.KVPool``
+        lays them out) a run is one range for all buffers at once.
+    Units: addresses and ``*_bytes`` in bytes, ``num_pages`` in pages.
     """
 
     layout: str
@@ -65,7 +68,7 @@ class PoolGeometry:
     page_bytes: int
     num_pages: int
     page_stride_bytes: int = 0
-    num_buffers: int = 0  # page_major only: buffers per page (2 * layers)
+    num_buffers: int = 0  # buffers per page, 2 * layers (page_major needs it)
 
     @classmethod
     def from_layout(cls, kv_layout) -> "PoolGeometry":
@@ -74,10 +77,18 @@ class PoolGeometry:
                    int(kv_layout.num_pages), int(kv_layout.page_stride_bytes),
                    2 * int(kv_layout.num_layers))
 
+    @property
+    def contiguous_pages(self) -> bool:
+        """page_major with a page's buffers back to back: a run of pages is one byte range."""
+        return self.layout == "page_major" and self.page_stride_bytes == self.num_buffers * self.page_bytes
+
     def compatible(self, other: "PoolGeometry") -> str | None:
         """None when pages can be copied byte for byte between the two pools, else the reason."""
+        if self.layout not in ("layer_major", "page_major"):
+            return f"unknown KV layout {self.layout!r}"
         if self.layout != other.layout:
-            return f"layout {self.layout} != {other.layout}"
+            return (f"KV layout {self.layout} here but {other.layout} on the peer (prefill and decode "
+                    f"need the same --kv-layout)")
         if self.page_bytes != other.page_bytes:
             return f"page_bytes {self.page_bytes} != {other.page_bytes}"
         if self.layout == "layer_major" and len(self.buffer_addrs) != len(other.buffer_addrs):
@@ -86,14 +97,19 @@ class PoolGeometry:
             return f"{self.num_buffers} != {other.num_buffers} buffers per page"
         return None
 
-    def ranges(self, page: int, length: int) -> list[tuple[int, int]]:
-        """(address, bytes) ranges covering pages ``page .. page+length-1`` in every buffer."""
+    def ranges(self, page: int, length: int, merge: bool = True) -> list[tuple[int, int]]:
+        """(address, bytes) ranges covering pages ``page .. page+length-1`` in every buffer.
+
+        layer_major: one range per buffer. page_major: one range per page (``num_buffers *
+        page_bytes`` each), merged into one range for the whole run when ``merge`` and the pages are
+        back to back (:attr:`contiguous_pages`).
+        """
         if self.layout == "layer_major":
             return [(b + page * self.page_bytes, length * self.page_bytes) for b in self.buffer_addrs]
         if self.layout == "page_major":
             base = self.buffer_addrs[0]
             per_page = self.num_buffers * self.page_bytes
-            if self.page_stride_bytes == per_page:
+            if merge and self.contiguous_pages:
                 return [(base + page * self.page_stride_bytes, length * per_page)]
             return [(base + p * self.page_stride_bytes, per_page) for p in range(page, page + length)]
         raise ValueError(f"unknown KV layout {self.layout!r}")
@@ -102,7 +118,8 @@ class PoolGeometry:
 def descriptors(runs: Sequence[PageRun], src: PoolGeometry,
                 dst: PoolGeometry) -> list[tuple[int, int, int]]:
     """(local address, remote address, bytes) writes for ``runs``: one per run per buffer
-    (layer_major), or one per run (contiguous page_major).
+    (layer_major: ``2 * num_layers`` per run), or ONE per run when both page_major pools keep a page's
+    buffers back to back (else one per page).
 
     Raises:
         ValueError: the geometries differ (see ``PoolGeometry.compatible``) or a page id is out of
@@ -117,7 +134,9 @@ def descriptors(runs: Sequence[PageRun], src: PoolGeometry,
             raise ValueError(f"source pages {r.src}..{r.src + r.length - 1} outside the pool")
         if r.dst < 0 or r.dst + r.length > dst.num_pages:
             raise ValueError(f"destination pages {r.dst}..{r.dst + r.length - 1} outside the pool")
-        for (sa, n), (da, m) in zip(src.ranges(r.src, r.length), dst.ranges(r.dst, r.length)):
+        merge = src.contiguous_pages and dst.contiguous_pages  # else page by page on both sides
+        for (sa, n), (da, m) in zip(src.ranges(r.src, r.length, merge), dst.ranges(r.dst, r.length, merge),
+                                    strict=True):
             assert n == m
             out.append((sa, da, n))
     return out

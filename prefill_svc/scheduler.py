@@ -44,7 +44,7 @@ from engine.sampling_params import SamplingParams
 from halfmoon import metrics as M
 from prefill_svc.destinations import DestinationBook
 from prefill_svc.kv_runs import PoolGeometry, descriptors, merge_runs
-from pd_common.protocol import ServiceError, drain_jobs, page_checksums, token_logprob
+from pd_common.protocol import ServiceError, drain_jobs, kv_layout, page_checksums, token_logprob
 from pd_common.worker_runtime import bind_cuda_device
 from protos import common_pb2, prefill_pb2
 from transfer_svc.engine import State
@@ -132,8 +132,8 @@ class PrefillScheduler:
         self.destination_timeout_s = destination_timeout_s
         self.book = DestinationBook(destination_timeout_s)
         self.checksums = checksums
-        self.geometry = PoolGeometry("layer_major", tuple(b.data_ptr() for b in runner.kv_pool.buffers()),
-                                     runner.kv_pool.page_bytes, runner.kv_pool.num_pages)
+        # the same description of this pool that the worker publishes (pd_common.protocol.kv_layout)
+        self.geometry = PoolGeometry.from_layout(kv_layout(runner.kv_pool, runner.config.model))
         self._log = open(transfer_log, "a", buffering=1) if transfer_log else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[int, PrefillJob] = {}  # room -> job

@@ -109,10 +109,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_tensor_cores = True if decode_tensor_cores is None else decode_tensor_cores
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=decode_tensor_cores)
-        ps = kv_pool.page_size
-        P = kv_pool.num_pages
-        self.kv_cache = [(k.view(P, ps, num_kv_heads, head_dim), v.view(P, ps, num_kv_heads, head_dim))
-                         for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]
+        # per layer (K, V) [P, ps, kvh, head_dim]; page_major: strided views (page stride 2*layers*ps*kvh*hd)
+        self.kv_cache = [(kv_pool.k_pages(i), kv_pool.v_pages(i)) for i in range(kv_pool.num_layers)]
         self._wrapper = None
 
     def make_decode_wrapper(self, batch_size: int, indices_buffer: torch.Tensor,

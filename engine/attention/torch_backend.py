@@ -41,11 +41,10 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, layer, batch):
         pool = self.kv_pool
         pool.write(layer, batch.out_cache_loc, k, v)
-        kb, vb = pool.k_buffers[layer], pool.v_buffers[layer]
         H, D = self.num_heads, self.head_dim
         if batch.mode is ForwardMode.DECODE:
-            kk = kb[self._idx].transpose(1, 2).to(q.dtype)  # [B, kvh, L, D]
-            vv = vb[self._idx].transpose(1, 2).to(q.dtype)
+            kk, vv = pool.read(layer, self._idx)  # [B, L, kvh, D]
+            kk, vv = kk.transpose(1, 2).to(q.dtype), vv.transpose(1, 2).to(q.dtype)  # [B, kvh, L, D]
             out = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=self._mask,
                                                  scale=self.scale, enable_gqa=True)  # [B, H, 1, D]
             return out.reshape(q.shape[0], H * D)
@@ -56,8 +55,8 @@ class TorchAttentionBackend(AttentionBackend):
                 kk, vv = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                kk = kb[slots].transpose(0, 1)[None].to(q.dtype)  # [1, kvh, S, D]
-                vv = vb[slots].transpose(0, 1)[None].to(q.dtype)
+                kk, vv = pool.read(layer, slots)  # [S, kvh, D]
+                kk, vv = kk.transpose(0, 1)[None].to(q.dtype), vv.transpose(0, 1)[None].to(q.dtype)  # [1, kvh, S, D]
                 o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None], scale=self.scale,
                                                    enable_gqa=True)
             outs.append(o[0].transpose(0, 1).reshape(e - s, H * D))

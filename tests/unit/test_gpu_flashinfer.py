@@ -154,7 +154,12 @@ def test_graph_decode_equals_eager_and_pads_safely():
         r.req_to_token_pool.write(row, 0, s)
         rows.append(row)
         locs.append(s)
-    before = [b.clone() for b in r.kv_pool.buffers()]
+    pool = r.kv_pool
+
+    def views():  # per layer K, V [pages, page_size, kvh, hd], in either layout
+        return [t for i in range(pool.num_layers) for t in (pool.k_pages(i), pool.v_pages(i))]
+
+    before = [t.clone() for t in views()]
     batch = ForwardBatch.build(ForwardMode.DECODE, rows, lens, [[1], [2], [3]],
                                torch.stack([s[n] for s, n in zip(locs, lens)]), "cuda")
     got = r.forward(batch).clone()
@@ -164,6 +169,6 @@ def test_graph_decode_equals_eager_and_pads_safely():
     ps = r.page_size
     written = set(int(s[n]) for s, n in zip(locs, lens))
     scratch = set(range(r.scratch_page * ps, (r.scratch_page + 1) * ps))
-    for b0, b1 in zip(before, r.kv_pool.buffers()):
-        changed = set((b0 != b1).any(-1).any(-1).nonzero().flatten().tolist())
+    for b0, b1 in zip(before, views()):
+        changed = set((b0 != b1).any(-1).any(-1).flatten().nonzero().flatten().tolist())  # slot ids
         assert changed <= written | scratch, changed - written - scratch

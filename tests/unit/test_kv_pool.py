@@ -88,19 +88,76 @@ def test_req_to_token_pool():
     assert r.num_free == 2
 
 
-def test_kv_pool_layout():
-    pool = KVPool(num_pages=5, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).flatten()
+
+
+@pytest.mark.parametrize("layout", ["page_major", "layer_major"])
+def test_kv_pool_write_read_round_trip(layout):
+    P, ps, L, kvh, hd = 6, 4, 3, 2, 8
+    pool = KVPool(P, ps, L, kvh, hd, torch.float32, layout=layout)
+    assert all(pool.k_pages(i).shape == (P, ps, kvh, hd) and pool.v_pages(i).shape == (P, ps, kvh, hd)
+               for i in range(L))
+    g = torch.Generator().manual_seed(0)
+    slots = torch.tensor([3, 4, 5, 17, 22, 9])           # across page boundaries, unordered
+    for layer in range(L):
+        k, v = torch.randn(6, kvh, hd, generator=g), torch.randn(6, kvh, hd, generator=g)
+        pool.write(layer, slots, k, v)
+        rk, rv = pool.read(layer, slots)
+        assert torch.equal(rk, k) and torch.equal(rv, v)
+        rk2, _ = pool.read(layer, slots.view(2, 3))      # any index shape
+        assert torch.equal(rk2, k.view(2, 3, kvh, hd))
+        assert torch.equal(pool.k_pages(layer)[4, 1], k[3])  # slot 17 = page 4, offset 1
+        assert torch.equal(pool.v_pages(layer)[5, 2], v[4])  # slot 22 = page 5, offset 2
+    # every written slot holds data, every other slot of every layer is still zero
+    written = set(slots.tolist())
+    for layer in range(L):
+        nz = pool.k_pages(layer).abs().sum((-1, -2)).flatten().nonzero().flatten().tolist()
+        assert set(nz) == written
+
+
+def test_kv_pool_page_major_page_is_one_contiguous_range():
+    P, ps, L, kvh, hd = 5, 4, 3, 2, 8
+    pool = KVPool(P, ps, L, kvh, hd, torch.float32, layout="page_major")
     bufs = pool.buffers()
-    assert len(bufs) == 6 and bufs[0] is pool.k_buffers[0] and bufs[1] is pool.v_buffers[0]
-    assert all(b.is_contiguous() and b.shape == (20, 2, 8) for b in bufs)
-    assert pool.page_bytes == 4 * 2 * 8 * 4
+    assert len(bufs) == 1 and bufs[0].is_contiguous()
+    region = bufs[0]
+    assert region.numel() * region.element_size() == pool.total_bytes == 2 * L * P * pool.page_bytes
+    assert pool.page_bytes == ps * kvh * hd * 4
+    assert pool.page_stride_bytes == 2 * L * pool.page_bytes
+    for layer in range(L):  # per-layer views are strided over the one region
+        assert pool.k_pages(layer).data_ptr() == region.data_ptr() + 2 * layer * pool.page_bytes
+        assert pool.v_pages(layer).stride(0) == pool.page_stride_bytes // 4
+    for layer in range(L):
+        pool.write(layer, torch.arange(12, 16), torch.full((4, kvh, hd), 10.0 * layer + 1),
+                   torch.full((4, kvh, hd), 10.0 * layer + 2))
+    # page 3 is the byte range [ptr + 3 * page_stride_bytes, + page_stride_bytes): K_0 V_0 K_1 V_1 ...
+    raw = _bytes(region)[3 * pool.page_stride_bytes:4 * pool.page_stride_bytes].view(torch.float32)
+    want = torch.cat([torch.full((ps * kvh * hd,), 10.0 * layer + kv + 1)  # buffer b = 2 * layer + kv
+                      for layer in range(L) for kv in (0, 1)])
+    assert torch.equal(raw, want)
+    assert _bytes(region)[:3 * pool.page_stride_bytes].count_nonzero() == 0  # pages 0-2 untouched
+    assert _bytes(region)[4 * pool.page_stride_bytes:].count_nonzero() == 0
+
+
+def test_kv_pool_layer_major_buffers():
+    pool = KVPool(5, 4, 3, 2, 8, torch.float32, layout="layer_major")
+    bufs = pool.buffers()
+    assert len(bufs) == 6 and bufs[0] is pool.k_pages(0) and bufs[1] is pool.v_pages(0)
+    assert all(b.is_contiguous() and b.shape == (5, 4, 2, 8) for b in bufs)
+    assert pool.page_bytes == pool.page_stride_bytes == 4 * 2 * 8 * 4
     assert pool.total_bytes == 6 * 5 * pool.page_bytes
     # page p of buffer b is the byte range [ptr + p*page_bytes, + page_bytes)
     k = torch.randn(4, 2, 8)
     pool.write(1, torch.arange(12, 16), k, -k)
-    page3 = bufs[2].view(-1).view(torch.uint8)[3 * pool.page_bytes:4 * pool.page_bytes]
+    page3 = _bytes(bufs[2])[3 * pool.page_bytes:4 * pool.page_bytes]
     assert torch.equal(page3.view(torch.float32).view(4, 2, 8), k)
-    assert torch.equal(pool.v_buffers[1][12:16], -k)
+    assert torch.equal(pool.v_pages(1)[3], -k)
+
+
+def test_kv_pool_unknown_layout():
+    with pytest.raises(ValueError, match="kv_layout"):
+        KVPool(2, 4, 1, 1, 8, torch.float32, layout="head_major")
 
 
 def test_pages_for_budget():
