@@ -230,9 +230,12 @@ def transformers_generate(prompts, max_tokens: int, model: str | None = None) ->
     return out
 
 
-def check_transferred_pages(records: list[dict], result: PDResult, page_size: int) -> tuple[int, int]:
+def check_transferred_pages(records: list[dict], result: PDResult, page_size: int,
+                            descriptors_per_run: int | None = None) -> tuple[int, int]:
     """Assert P sent exactly logical pages [pre_len/ps, ceil(len/ps)) of this request, each once,
-    to distinct destination pages. Returns (pages, bytes) transferred."""
+    to distinct destination pages, and (when ``descriptors_per_run`` is given) that each batch had
+    that many descriptors (puts) per page run: 1 for page_major pools, 2 * layers for layer_major.
+    Returns (pages, bytes) transferred."""
     first = result.chunks[0]
     pre, n = first.decode_prefix_tokens, first.prompt_tokens
     batches = [r for r in records if r.get("room") == result.room and r["event"] == "batch"]
@@ -242,6 +245,8 @@ def check_transferred_pages(records: list[dict], result: PDResult, page_size: in
     assert sorted(logical) == want and len(logical) == len(set(logical)), (logical, want)
     assert len(set(dst)) == len(dst)
     assert all(b["pre_len"] == pre for b in batches)
+    if descriptors_per_run is not None:
+        assert all(b["descriptors"] == descriptors_per_run * len(b["runs"]) for b in batches), batches
     notices = [r for r in records if r.get("room") == result.room and r["event"] == "notice"]
     assert len(notices) == 1 and notices[0]["ok"] and notices[0]["pages_sent"] == len(want), notices
     assert first.kv_pages_transferred == len(want)

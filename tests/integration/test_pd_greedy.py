@@ -51,14 +51,27 @@ def reference(prompts):
     return ours
 
 
-@pytest.mark.parametrize("page_size", [16, 1], ids=["ps16", "ps1"])
-def test_pd_greedy_matches_colocated_and_transformers(tmp_path, prompts, reference, page_size):
-    """One P serves two D's: decode-0 (decode radix cache on) and decode-1 (off)."""
-    with start_stack(tmp_path, page_size=page_size, decode_extra=["--kv-checksums"],
-                     prefill_extra=["--kv-checksums"],
-                     more_decodes={"decode-1": ["--kv-checksums", "--disable-decode-radix-cache"]}) as st:
+@pytest.mark.parametrize("page_size,kv_layout", [(16, "page_major"), (1, "layer_major")],
+                         ids=["ps16-page_major", "ps1-layer_major"])
+def test_pd_greedy_matches_colocated_and_transformers(tmp_path, prompts, reference, page_size, kv_layout):
+    """One P serves two D's: decode-0 (decode radix cache on) and decode-1 (off), all in ``kv_layout``
+    (a page run moves as 1 put in page_major, 2 * 30 layers in layer_major); decode-x, in the other
+    layout, gets a clear error naming --kv-layout."""
+    layout = ["--kv-layout", kv_layout]
+    other = ["--kv-layout", "layer_major" if kv_layout == "page_major" else "page_major"]
+    with start_stack(tmp_path, page_size=page_size, decode_extra=["--kv-checksums", *layout],
+                     prefill_extra=["--kv-checksums", *layout],
+                     more_decodes={"decode-1": ["--kv-checksums", "--disable-decode-radix-cache", *layout],
+                                   "decode-x": other}) as st:
+        drv = PDDriver(st.prefill_addr, st.decodes["decode-x"].address, timeout_s=60)
+        bad = drv.generate(prompts[3], max_tokens=MAX_TOKENS)
+        drv.close()
+        assert not bad.ok and "--kv-layout" in str(bad.decode_error) + str(bad.prefill_error), bad
+        per_run = 1 if kv_layout == "page_major" else 2 * 30  # SmolLM2-135M: 30 layers
         hits = []  # (decode worker, pass, prompt len, D pre_len, P cached tokens)
         for wid, d in st.decodes.items():
+            if wid == "decode-x":
+                continue
             drv = PDDriver(st.prefill_addr, d.address, timeout_s=180)
             for attempt in range(2):
                 results = drv.generate_many(prompts, max_tokens=MAX_TOKENS, concurrency=len(prompts))
@@ -66,7 +79,7 @@ def test_pd_greedy_matches_colocated_and_transformers(tmp_path, prompts, referen
                 for p, r, ref in zip(prompts, results, reference):
                     assert r.ok, (wid, len(p), r.decode_error, r.prefill_error)
                     assert r.tokens == ref, (wid, len(p), attempt, r.tokens, ref)
-                    check_transferred_pages(records, r, page_size)
+                    check_transferred_pages(records, r, page_size, per_run)
                     first = r.chunks[0]
                     assert 0 <= first.cached_tokens <= first.prompt_tokens == len(p)
                     assert r.last.completion_tokens == len(r.tokens)
