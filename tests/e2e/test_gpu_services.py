@@ -217,16 +217,21 @@ def stack(setup, cases, tmp_path_factory):
     from halfmoon.launcher import Stack, StackConfig
 
     log_dir = tmp_path_factory.mktemp("gpu-stack")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("UCX_PROTO_INFO", "y")  # the workers' UCX logs the protocol it picks for each operation
     cfg = StackConfig(model=str(setup.model_dir), prefill=1, decode=1, base_port=0, kv_memory_mb=128,
                       torch_threads=4 if setup.cuda else 1, log_dir=str(log_dir), ready_timeout=420,
                       stop_timeout=15, prefill_device=setup.prefill_device, decode_device=setup.decode_device,
                       dtype=setup.dtype, load_format="dummy",
                       worker_args=["--chunked-prefill-size", str(CHUNK), "--max-running-requests", "8",
                                    "--transfer-log", str(log_dir / "transfer.jsonl")])
-    with Stack(cfg) as st:
-        yield st
-        dead = [p.name for p in st.dead()]
-        assert not dead, f"processes died during the tests: {dead}; logs in {log_dir}"
+    try:
+        with Stack(cfg) as st:
+            yield st
+            dead = [p.name for p in st.dead()]
+            assert not dead, f"processes died during the tests: {dead}; logs in {log_dir}"
+    finally:
+        mp.undo()
     leftovers = [p.name for p in st.procs if p.alive()]
     assert not leftovers, f"processes left running after stop: {leftovers}"
 
@@ -326,6 +331,37 @@ def test_grpc_greedy_equals_colocated_and_shared_prefix_moves_the_delta(setup, s
         assert logged == list(range(pre // PAGE, -(-len(c.ids) // PAGE))), (name, logged)
         assert sum(b["bytes"] for b in _batches(stack, f"gpu-{name}")) == pages * page_bytes
     assert not problems, "\n".join(problems)
+
+
+def ucx_put_protocols(log: str) -> list[tuple[str, list[str]]]:
+    """(what, configs) of each ``ucp_put*`` protocol table that UCX_PROTO_INFO=y printed, e.g.
+    ("from cuda/GPU0 to cuda/dev[1]", ["cuda_ipc/cuda"]): the transports the KV writes took."""
+    out, what, seps = [], None, 0
+    for line in log.splitlines():
+        text = line.split("]", 2)[-1].strip()
+        if "remote memory write by ucp_put" in text:
+            what, seps = text.split("ucp_put*", 1)[-1].strip(" |"), 0
+            out.append((what, []))
+        elif what is not None and text.startswith("+"):
+            seps += 1
+            if seps == 3:
+                what = None
+        elif what is not None and seps == 2 and text.startswith("|"):
+            out[-1][1].append(text.strip("|").split("|")[-1].strip())
+    return out
+
+
+def test_kv_writes_took_the_device_transport(setup, stack):
+    """After the requests above: P's UCX wrote the KV pages GPU -> GPU with cuda_ipc (host memory over
+    shared memory in the CPU dry run), not staged through the host."""
+    proc = next(p for p in stack.procs if p.name == "prefill-0")
+    puts = ucx_put_protocols(proc.log.read_text(errors="replace"))
+    assert puts, f"no UCX put protocol table in {proc.log} (UCX_PROTO_INFO=y)"
+    if setup.cuda:
+        cuda = [(w, c) for w, c in puts if w.startswith("from cuda")]
+        assert cuda and all(any("cuda_ipc" in x for x in c) for _, c in cuda), puts
+    else:
+        assert all(w.startswith("from host") and not any("cuda" in x for x in c) for w, c in puts), puts
 
 
 def test_seeded_sampling_equals_colocated(stub, cases):
