@@ -149,7 +149,8 @@ def model_vs_transformers(shape: str, layers: int, dtype_name: str, tmpdir: str,
     return out
 
 
-def backend_vs_torch(page_size: int = 16, seed: int = 0, extend_mode: str = "ragged") -> dict:
+def backend_vs_torch(page_size: int = 16, seed: int = 0, extend_mode: str = "ragged",
+                     layout: str = "page_major") -> dict:
     """flashinfer vs torch attention on the same pool: an extend batch over cached prefixes (one
     request without a prefix, unaligned prefixes), an extend batch with no prefix at all, and a decode
     batch (Llama-3.1-8B heads, bf16). Returns rel. errors."""
@@ -162,7 +163,7 @@ def backend_vs_torch(page_size: int = 16, seed: int = 0, extend_mode: str = "rag
 
     H, KVH, D, dev, dt = 32, 8, 128, "cuda", torch.bfloat16
     torch.manual_seed(seed)
-    pool = KVPool(512, page_size, 1, KVH, D, dt, dev)
+    pool = KVPool(512, page_size, 2, KVH, D, dt, dev, layout=layout)  # 2 layers: page_major is strided
     pool.k_buffers[0].normal_()
     pool.v_buffers[0].normal_()
     alloc = PageAllocator(512, page_size, dev)
@@ -216,7 +217,8 @@ def correctness(args) -> dict:
     import tempfile
 
     res = {"backend_vs_torch": backend_vs_torch(),
-           "backend_vs_torch_paged_extend": backend_vs_torch(extend_mode="paged")}
+           "backend_vs_torch_paged_extend": backend_vs_torch(extend_mode="paged"),
+           "backend_vs_torch_layer_major": backend_vs_torch(layout="layer_major")}
     with tempfile.TemporaryDirectory() as tmp:
         runs = []
         for shape in ("llama-3.1-8b", "qwen2.5-7b"):

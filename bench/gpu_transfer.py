@@ -11,6 +11,7 @@ transfer: an 8B-shaped request (32 layers, 8 KV heads x 128, bf16, page 16 -> 32
                scattered ones (every page its own run) -- the per-layer pool's cost
     staged     gather the pages of all 64 buffers into one staging buffer on GPU 0, one put into a
                staging buffer on GPU 1, scatter there into the pool pages (gather + put + scatter)
+    (the pools here are layer_major on purpose: per_layer and staged are that layout's ways)
     page_major the same bytes as one contiguous region on each side (what a page-major pool
                [pages, layers, K/V, page_size, heads, dim] holds for a run of pages), sent as k puts
                of nbytes / k (k = 1, 4, 16, 64): the put-count cost without any per-layer split
@@ -73,7 +74,7 @@ def _target(conn, transports, staging_bytes: int) -> None:
     torch.cuda.set_device(dev)
     from engine.kv_pool import KVPool
 
-    pool = KVPool(POOL_PAGES, PS, L, KVH, D, torch.bfloat16, dev)
+    pool = KVPool(POOL_PAGES, PS, L, KVH, D, torch.bfloat16, dev, layout="layer_major")
     bufs = pool.buffers()
     staging = torch.zeros(staging_bytes // 2, dtype=torch.bfloat16, device=dev)
     eng = _engine("gpu-target", transports)
@@ -135,7 +136,7 @@ def transfer(args) -> dict:
     out: dict = {"shape": "llama-3.1-8b", "page_bytes": PAGE_BYTES, "buffers": 64, "transports": transports,
                  "devices": [src_dev, dst_dev]}
     try:
-        pool = KVPool(POOL_PAGES, PS, L, KVH, D, torch.bfloat16, src_dev)
+        pool = KVPool(POOL_PAGES, PS, L, KVH, D, torch.bfloat16, src_dev, layout="layer_major")
         bufs = pool.buffers()
         for b in bufs:
             b.normal_()
@@ -347,7 +348,7 @@ def pd(args) -> dict:
             src_pages = (slots[pre_len:n:ps] // ps).tolist()
             assert len(src_pages) == len(dst_pages), (len(src_pages), len(dst_pages))
             runs = _runs(src_pages, dst_pages)
-            pb = p.kv_pool.page_bytes
+            pb = p.kv_pool.page_stride_bytes  # page_major: one range per run; layer_major: one per buffer
             descs = [(sp + s * pb, dp + d * pb, k * pb) for sp, dp in zip([b.data_ptr() for b in pbufs], dptrs)
                      for s, d, k in runs]
             torch.cuda.synchronize()  # pages complete before UCX reads them

@@ -146,8 +146,12 @@ class Worker:
         self.registry = RegistryClient(a.registry, worker_id=self.worker_id, role=self.role,
                                        model=a.model)
         loc = "cpu" if runner.device.type == "cpu" else f"cuda:{runner.device.index or 0}"
+        # GPU workers poll UCX without sleeping while a batch is in flight: +12-15 % GPU->GPU KV
+        # throughput on an H200 pair (bench/results/GPU_NOTES.md run 7); CPU workers on small shared
+        # boxes sleep (a spinning thread takes a core from the peer)
         self.transfer = TransferEngine(self.worker_id, transports=ucx_transports(a.transport, loc),
-                                       timeout_s=a.transfer_timeout, resolver=self.registry)
+                                       timeout_s=a.transfer_timeout, resolver=self.registry,
+                                       busy_poll=runner.device.type == "cuda")
         for buf in runner.kv_pool.buffers():
             self.transfer.register_memory(buf.data_ptr(), buf.numel() * buf.element_size(), loc)
         self.layout = kv_layout(runner.kv_pool, a.model)

@@ -97,9 +97,9 @@ def test_auto_backend_is_torch_on_cpu_and_fp32():
 def test_flashinfer_matches_torch_backend():
     from bench.gpu import backend_vs_torch
 
-    for mode in ("ragged", "paged"):
+    for mode, layout in (("ragged", "page_major"), ("paged", "page_major"), ("ragged", "layer_major")):
         for seed in (0, 1):
-            r = backend_vs_torch(seed=seed, extend_mode=mode)
+            r = backend_vs_torch(seed=seed, extend_mode=mode, layout=layout)
             assert r["extend_rel_err"] <= 1e-2, (mode, r)
             assert r["extend_no_prefix_rel_err"] <= 1e-2, (mode, r)
             assert r["decode_rel_err"] <= 1e-2, (mode, r)
