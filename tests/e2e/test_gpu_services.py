@@ -179,14 +179,7 @@ def cases(setup, tok) -> dict[str, Case]:
             if a is not b and (a.name, b.name) not in (("long", "shared"), ("shared", "long")):
                 assert a.ids[:PAGE] != b.ids[:PAGE] or len(a.ids) < PAGE or len(b.ids) < PAGE, (a.name, b.name)
     _colocated(setup, cs)
-    # the random model still answers different prompts differently (else equal tokens would be trivial)
-    assert len({tuple(c.ref) for c in cs}) >= len(cs) // 2, [c.ref for c in cs]
-    assert cases_differ(cs[2], cs[3]), "the shared-prefix prompt's logprobs equal the first one's"
     return {c.name: c for c in cs}
-
-
-def cases_differ(a: Case, b: Case) -> bool:
-    return a.ref != b.ref or max(abs(x - y) for x, y in zip(a.ref_logprobs, b.ref_logprobs)) > 10 * LOGPROB_TOL
 
 
 def _colocated(setup: Setup, cs: list[Case]) -> None:
@@ -288,6 +281,14 @@ def _batches(stack, request_id: str) -> list[dict]:
     log = stack.log_dir / "transfer.jsonl"  # P's --transfer-log: one line per KV batch and notice
     recs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     return [r for r in recs if r.get("request_id") == request_id and r["event"] == "batch"]
+
+
+def test_reference_depends_on_the_prompt(cases):
+    """The random-weight model still answers different prompts differently, and the shared-prefix
+    prompt differently from the one it shares 544 tokens with (else equality would prove little)."""
+    assert len({tuple(c.ref) for c in cases.values()}) >= len(cases) // 2, [c.ref for c in cases.values()]
+    a, b = cases["long"], cases["shared"]
+    assert a.ref != b.ref or max(abs(x - y) for x, y in zip(a.ref_logprobs, b.ref_logprobs)) > 10 * LOGPROB_TOL
 
 
 def test_workers_run_where_asked(setup, stack):
