@@ -341,6 +341,49 @@ def decode(args) -> dict:
     return out
 
 
+def host_profile(args) -> dict:
+    """Where the host time of a graph decode step goes (cProfile of ``runner.forward`` at B=1 and
+    B=128, context 4096, GPU idle before each call): the time a scheduler that syncs every step
+    leaves the GPU idle."""
+    import cProfile
+    import io
+    import pstats
+
+    from engine.forward_batch import ForwardBatch, ForwardMode
+
+    C, ps, maxB = 4096, 16, 128
+    runner, _ = _runner(args, maxB, C + ps, maxB * (-(-(C + 1) // ps)) + 8)
+    rows = [runner.req_to_token_pool.alloc() for _ in range(maxB)]
+    slots = [runner.allocator.alloc_slots(0, C + 1, None) for _ in range(maxB)]
+    for r, sl in zip(rows, slots):
+        runner.req_to_token_pool.write(r, 0, sl)
+    out = {}
+    for B in (1, maxB):
+        batch = ForwardBatch.build(ForwardMode.DECODE, rows[:B], [C] * B, [[1]] * B,
+                                   torch.stack([sl[C] for sl in slots[:B]]), "cuda")
+        for _ in range(3):
+            runner.forward(batch)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        n = 30
+        for _ in range(n):
+            torch.cuda.synchronize()
+            prof.enable()
+            runner.forward(batch)
+            prof.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf).sort_stats("tottime")
+        st.print_stats(18)
+        text = buf.getvalue()
+        print(f"host profile B={B} ctx={C} ({n} steps):\n{text}", flush=True)
+        out[str(B)] = {"steps": n, "total_s": st.total_tt, "per_step_ms": st.total_tt / n * 1e3,
+                       "top": text[-6000:]}
+    del runner
+    torch.cuda.empty_cache()
+    return out
+
+
 def attn_micro(args) -> dict:
     """flashinfer paged decode alone (one layer, Llama-8B heads, bf16, page 16): KV bytes read / time,
     CUDA-core vs tensor-core kernels; pages shuffled."""
@@ -486,7 +529,7 @@ def prefill(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("sections", nargs="+",
-                   choices=["ceilings", "correctness", "decode", "prefill", "profile", "attn_micro", "transfer",
+                   choices=["ceilings", "correctness", "decode", "prefill", "profile", "host_profile", "attn_micro", "transfer",
                             "pd"])
     p.add_argument("--out", default="bench/results/gpu_h200.json")
     p.add_argument("--model", default="llama-3.1-8b")
