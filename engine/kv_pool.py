@@ -67,6 +67,11 @@ class KVPool:
         num_layers, num_kv_heads, head_dim: the model's KV shape.
         dtype, device: of every K/V element (zero-initialised).
         layout: ``"page_major"`` or ``"layer_major"``.
+    Attributes:
+        k_buffers, v_buffers: per-layer K / V views ``[num_pages, page_size, num_kv_heads, head_dim]``
+            (``k_pages(layer)`` is ``k_buffers[layer]``; index them by page and offset, not by slot).
+        region: page_major's one ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``
+            tensor (None in layer_major).
     Raises:
         ValueError: an unknown layout (the message names ``kv_layout``).
     """
