@@ -322,7 +322,7 @@ def pd(args) -> dict:
     try:
         p = ModelRunner(_runner_cfg(src_dev, max_context, num_pages, model))
         ref = Engine(config=_runner_cfg(src_dev, max_context, num_pages, model), loaded=(p.model, None))
-        eng = _engine("prefill-gpu0", transports)
+        eng = _engine("prefill-gpu0", transports, bool(getattr(args, "transfer_busy_poll", False)))
         pbufs = p.kv_pool.buffers()
         for b in pbufs:
             eng.register_memory(b.data_ptr(), b.numel() * b.element_size(), src_dev)

@@ -18,7 +18,7 @@ for _ in $(seq 600); do [ -s "$ep" ] && break; kill -0 $up 2>/dev/null || break;
 if [ ! -s "$ep" ]; then echo "halfmoon up did not come up"; tail -30 "$OUT/up.log"; kill $up; exit 1; fi
 bench() {  # label, then bench serve args
   label=$1; shift
-  python3 -m halfmoon bench serve --endpoints "$ep" --ignore-eos --seed 0 --no-progress --no-requests \
+  python3 -m halfmoon bench serve --endpoints "$ep" --tokenizer "$model" --ignore-eos --seed 0 --no-progress --no-requests \
     --label "$label" --output "$OUT/serve_gpu_$label.json" "$@" 2>&1 | tail -22
 }
 bench random_c1 --workload random --input-len 1024 --output-len 128 --num-requests 8 --concurrency 1 --warmup 2
