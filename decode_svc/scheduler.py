@@ -36,7 +36,7 @@ import grpc
 import torch
 
 from decode_svc.prebuilt import delta_pages, prebuilt_out_cache_loc
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch
 from engine.radix_cache import RadixCache
 from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
@@ -419,11 +419,9 @@ class DecodeScheduler:
         jobs = [j for j in self._order if j.state is JobState.RUNNING]
         if not jobs:
             return
-        rows = [j.row for j in jobs]
-        pre = [j.kv_len for j in jobs]
-        toks = [[j.output_ids[-1]] for j in jobs]
-        loc = torch.stack([self.r2t.req_to_token[j.row, j.kv_len] for j in jobs])
-        batch = ForwardBatch.build(ForwardMode.DECODE, rows, pre, toks, loc, self.runner.device)
+        # one host->device copy, slots gathered on the device: row [prefix | delta | reserved decode slots]
+        batch = ForwardBatch.decode([j.row for j in jobs], [j.kv_len for j in jobs],
+                                    [j.output_ids[-1] for j in jobs], self.r2t.req_to_token)
         logits = self.runner.forward(batch)
         out = sample(logits, [j.params for j in jobs], [j.generator for j in jobs],
                      [j.ids for j in jobs], [j.output_ids for j in jobs])

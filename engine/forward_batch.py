@@ -93,3 +93,27 @@ class ForwardBatch:
             seq_lens_cpu=torch.tensor(seq, dtype=torch.int64),
             extend_lens_cpu=torch.tensor(ext, dtype=torch.int64),
         )
+
+    @classmethod
+    def decode(cls, rows: Sequence[int], kv_lens: Sequence[int], last_tokens: Sequence[int],
+               req_to_token: torch.Tensor) -> "ForwardBatch":
+        """A DECODE batch with one host-to-device copy: request i feeds ``last_tokens[i]`` at position
+        ``kv_lens[i]`` of row ``rows[i]``, whose slot ``req_to_token[rows[i], kv_lens[i]]`` must already
+        be written there (D reserves every slot up front); it is gathered on ``req_to_token``'s device,
+        so the caller does not index the table per request. Same fields as :meth:`build` gives.
+        """
+        B = len(rows)
+        if not (B == len(kv_lens) == len(last_tokens)) or B == 0:
+            raise ValueError("rows, kv_lens and last_tokens need one entry per request (and at least one)")
+        host = torch.empty(5, B, dtype=torch.int64)
+        host[0] = torch.as_tensor(rows, dtype=torch.int64)
+        host[1] = torch.as_tensor(kv_lens, dtype=torch.int64)
+        host[2] = torch.as_tensor(last_tokens, dtype=torch.int64)
+        torch.add(host[1], 1, out=host[3])
+        host[4] = 1
+        dev = req_to_token.device
+        d = host.to(dev, non_blocking=True) if dev.type != "cpu" else host
+        rows_d, pos_d = d[0], d[1]
+        return cls(mode=ForwardMode.DECODE, input_ids=d[2], positions=pos_d, req_pool_indices=rows_d,
+                   seq_lens=d[3], prefix_lens=pos_d, extend_lens=d[4],
+                   out_cache_loc=req_to_token[rows_d, pos_d], seq_lens_cpu=host[3], extend_lens_cpu=host[4])

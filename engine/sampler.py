@@ -86,7 +86,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     B = logits.shape[0]
     toks: list[int] = [0] * B
     plain_greedy = [i for i, p in enumerate(params) if p.greedy and not p.has_penalties]
-    if plain_greedy:
+    if len(plain_greedy) == B:  # the common decode batch: one argmax, one device->host copy
+        toks = logits.argmax(-1).tolist()
+    elif plain_greedy:
         am = logits[plain_greedy].argmax(-1).tolist()
         for i, t in zip(plain_greedy, am):
             toks[i] = t
