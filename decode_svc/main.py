@@ -14,6 +14,9 @@ from pd_common.worker_runtime import Worker, add_common_arguments, engine_config
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, "decode")
+    parser.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
+                        help="launch decode step n+1 before reading step n's tokens (greedy batches); "
+                             "auto: on for CUDA devices, off on CPU (where a step is synchronous anyway)")
 
 
 def _tokenizer(runner, model: str):
@@ -51,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
                             max_running=args.max_running_requests,
                             disable_radix_cache=args.disable_decode_radix_cache,
                             checksums=args.kv_checksums, kv_wait_timeout_s=args.kv_wait_timeout,
-                            fence_timeout_s=args.fence_timeout)
+                            fence_timeout_s=args.fence_timeout,
+                            overlap_schedule=args.overlap_schedule == "on" or (
+                                args.overlap_schedule == "auto" and runner.device.type == "cuda"))
     holder["s"] = sched
     sched.start()
     servicer = DecodeServicer(sched, args.worker_id, vocab_size=runner.vocab_size,

@@ -91,6 +91,22 @@ class DecodeJob:
 
 
 @dataclass(eq=False)
+class InFlight:
+    """A decode step launched on the device whose tokens the host has not read yet (overlap schedule).
+
+    ``tokens_dev``: int64 [B] sampled ids on the device (the next step's input ids); ``tokens_host``:
+    int64 [B] their host copy (pinned on CUDA), valid once ``copied`` (a CUDA event; None on CPU)
+    has completed; ``pos``: id(job) -> index in ``jobs``.
+    """
+
+    jobs: list
+    tokens_dev: torch.Tensor
+    tokens_host: torch.Tensor
+    copied: object
+    pos: dict
+
+
+@dataclass(eq=False)
 class Quarantined:
     room: int
     pages: list[int]
@@ -112,12 +128,16 @@ class DecodeScheduler:
         eos_token_ids: stop ids of the model; tokenizer: for stop strings (None: rejected).
         kv_wait_timeout_s: a request waiting for KV this long fails (DEADLINE_EXCEEDED).
         fence_timeout_s: quarantined pages with no notice and a live P are released after this.
+        overlap_schedule: launch decode step n+1 before reading step n's tokens, so the GPU computes
+            while the host streams the previous tokens (sglang's overlap scheduler). Used for batches
+            of greedy requests without penalties or logprobs; other batches run synchronously.
     """
 
     def __init__(self, runner, transfer, net, *, segment_name: str, eos_token_ids,
                  tokenizer=None, max_running: int = 32, disable_radix_cache: bool = False,
                  checksums: bool = False, kv_wait_timeout_s: float = 60.0,
-                 fence_timeout_s: float | None = None, liveness_interval_s: float = 1.0):
+                 fence_timeout_s: float | None = None, liveness_interval_s: float = 1.0,
+                 overlap_schedule: bool = False):
         self.runner = runner
         self.transfer = transfer
         self.net = net
@@ -133,6 +153,9 @@ class DecodeScheduler:
         self.kv_wait_timeout_s = kv_wait_timeout_s
         self.fence_timeout_s = fence_timeout_s if fence_timeout_s is not None else 2 * kv_wait_timeout_s
         self.liveness_interval_s = liveness_interval_s
+        self.overlap_schedule = overlap_schedule
+        self._inflight: InFlight | None = None
+        self._free_after_step: list[tuple[DecodeJob, bool]] = []  # releases of jobs in the step in flight
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[int, DecodeJob] = {}
         self._order: list[DecodeJob] = []
@@ -224,6 +247,8 @@ class DecodeScheduler:
                         self._fail(job, ServiceError(grpc.StatusCode.INTERNAL, "decode scheduler error"))
 
     def _idle_wait(self) -> float:
+        if self._inflight is not None:
+            return 0.0
         if any(j.state is JobState.RUNNING or j.state is JobState.WAITING for j in self._order):
             return 0.0
         if any(j.state is JobState.PREALLOC for j in self._order):
@@ -259,6 +284,8 @@ class DecodeScheduler:
             if fut is not None:
                 fut.set_result(found)
         elif kind == "load":
+            if self._inflight is not None:  # report settled accounting: no step half done
+                self._complete(self._take_inflight())
             msg[1].set_result(self._load_report())
         elif kind == "notice":
             self._on_notice(msg[1], msg[2])
@@ -417,6 +444,12 @@ class DecodeScheduler:
 
     def _decode_step(self) -> None:
         jobs = [j for j in self._order if j.state is JobState.RUNNING]
+        if self.overlap_schedule and all(self._overlappable(j) for j in jobs):
+            self._overlap_step(jobs)
+            return
+        if self._inflight is not None:  # a batch that cannot overlap: finish the step in flight first
+            self._complete(self._take_inflight())
+            jobs = [j for j in self._order if j.state is JobState.RUNNING]
         if not jobs:
             return
         # one host->device copy, slots gathered on the device: row [prefix | delta | reserved decode slots]
@@ -432,6 +465,76 @@ class DecodeScheduler:
             if job.params.logprobs or job.params.top_logprobs:
                 lp = token_logprob(out.token_ids[k], out.logprobs[k], out.top_logprobs[k])
             self._emit(job, out.token_ids[k], lp)
+
+    @staticmethod
+    def _overlappable(job: DecodeJob) -> bool:
+        p = job.params
+        return p.greedy and not p.has_penalties and not p.logprobs and not p.top_logprobs
+
+    def _overlap_step(self, jobs: list[DecodeJob]) -> None:
+        """Launch the next step, then stream the previous one's tokens while the device computes.
+
+        A request whose token is in flight feeds it to the next step straight from the device. One
+        whose in-flight token is its last by length is not launched again; one that stops on that
+        token (EOS, stop string) was launched once more: that extra token is dropped, and its pages
+        are freed only after the step that writes their last slot has completed (``_free_after_step``).
+        """
+        prev = self._take_inflight()
+        launch = []
+        for j in jobs:
+            if prev is not None and id(j) in prev.pos:
+                n_out = len(j.output_ids) + 1  # the in-flight token included
+                if n_out >= j.params.max_tokens or len(j.ids) + n_out >= self.runner.max_context:
+                    continue
+            launch.append(j)
+        if launch:
+            dev = self.runner.device
+            last = [0 if prev is not None and id(j) in prev.pos else j.output_ids[-1] for j in launch]
+            batch = ForwardBatch.decode([j.row for j in launch], [j.kv_len for j in launch], last,
+                                        self.r2t.req_to_token)
+            fed = [(k, prev.pos[id(j)]) for k, j in enumerate(launch) if prev is not None and id(j) in prev.pos]
+            if fed:
+                idx = torch.tensor(fed, dtype=torch.int64).to(dev, non_blocking=True)
+                batch.input_ids[idx[:, 0]] = prev.tokens_dev[idx[:, 1]]
+            logits = self.runner.forward(batch)
+            tokens_dev = logits.argmax(-1)
+            on_cuda = dev.type == "cuda"
+            host = torch.empty(len(launch), dtype=torch.int64, pin_memory=on_cuda)
+            host.copy_(tokens_dev, non_blocking=on_cuda)
+            copied = None
+            if on_cuda:
+                copied = torch.cuda.Event()
+                copied.record()
+            for j in launch:
+                j.kv_len += 1
+            self._inflight = InFlight(launch, tokens_dev, host, copied,
+                                      {id(j): k for k, j in enumerate(launch)})
+        if prev is not None:
+            self._complete(prev)
+
+    def _take_inflight(self) -> InFlight | None:
+        step, self._inflight = self._inflight, None
+        return step
+
+    def _complete(self, step: InFlight) -> None:
+        """Read a launched step's tokens (waits for that step only) and stream them; then free the
+        requests that ended while a step wrote into their slots, once no step in flight does."""
+        if step.copied is not None:
+            step.copied.synchronize()
+        toks = step.tokens_host.tolist()
+        live = [(job, tok) for job, tok in zip(step.jobs, toks) if job.state is JobState.RUNNING]
+        M.DECODE_GENERATED_TOKENS.inc(len(live))  # the others were aborted or failed in flight
+        for job, tok in live:
+            if job.state is JobState.RUNNING:
+                self._emit(job, tok, None)
+        busy = self._inflight.pos if self._inflight is not None else {}
+        keep = []
+        for job, quarantine in self._free_after_step:
+            if id(job) in busy:
+                keep.append((job, quarantine))
+            else:
+                self._free(job, quarantine)
+        self._free_after_step = keep
 
     def _emit(self, job: DecodeJob, tok: int, lp, first: bool = False) -> None:
         """Append a token, decide whether the request finished, stream the chunk."""
@@ -490,6 +593,19 @@ class DecodeScheduler:
         return True
 
     def _release(self, job: DecodeJob, quarantine: bool) -> None:
+        """The job is over: forget it now; free its row and pages now, or after the decode step in
+        flight when that step writes one of its slots (overlap schedule)."""
+        if self._inflight is not None and id(job) in self._inflight.pos and job.row is not None:
+            self._free_after_step.append((job, quarantine))
+        else:
+            self._free(job, quarantine)
+        job.state = JobState.DONE
+        self._forget(job)
+        self._jobs.pop(job.room, None)
+        if job in self._order:
+            self._order.remove(job)
+
+    def _free(self, job: DecodeJob, quarantine: bool) -> None:
         if job.row is not None:
             ps = self.ps
             held = job.own
@@ -513,11 +629,6 @@ class DecodeScheduler:
                 job.node = None
             self.r2t.free(job.row)
             job.row = None
-        job.state = JobState.DONE
-        self._forget(job)
-        self._jobs.pop(job.room, None)
-        if job in self._order:
-            self._order.remove(job)
 
     def _forget(self, job: DecodeJob) -> None:
         with self._known_lock:
@@ -563,7 +674,8 @@ class DecodeScheduler:
 
     # ------------------------------------------------------------------ accounting
     def _owned(self) -> int:
-        return sum(len(j.own) for j in self._order) + sum(len(q.pages) for q in self._quarantine.values())
+        return (sum(len(j.own) for j in self._order) + sum(len(q.pages) for q in self._quarantine.values())
+                + sum(len(j.own) for j, _ in self._free_after_step))
 
     def _load_report(self) -> common_pb2.LoadReport:
         if self.cache is not None:
