@@ -29,6 +29,7 @@ import ctypes
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -132,6 +133,7 @@ class StackConfig:
     dtype: str = "float32"          # weights and KV of every worker (bfloat16 on GPUs)
     load_format: str = "auto"       # "dummy": random weights (--model: a shape name or a dir with config.json)
     worker_args: list[str] = field(default_factory=list)
+    role_args: dict = field(default_factory=dict)  # "prefill" | "decode" -> extra argv of that role's workers
     router_args: list[str] = field(default_factory=list)
 
     def device_of(self, role: str, idx: int) -> str:
@@ -206,7 +208,7 @@ class Stack:
                     "--advertise-host", c.host, "--worker-id", wid, "--page-size", str(c.page_size),
                     "--torch-threads", str(threads), "--kv-memory-mb", str(c.kv_memory_mb),
                     "--device", c.device_of(role, idx), "--dtype", c.dtype, "--load-format", c.load_format,
-                    *c.worker_args]
+                    *c.worker_args, *c.role_args.get(role, [])]
             p = Proc(wid, argv, self.log_dir / f"{wid}.log", _WORKER_RE,
                      extra_env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
             self.procs.append(p)
@@ -302,6 +304,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype of every worker (bfloat16 on GPUs)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights (--model: a shape name, or a dir with config.json + tokenizer)")
+    p.add_argument("--prefill-args", default="", help="extra flags of every prefill worker, one string "
+                   "(e.g. \"--chunked-prefill-size 1024\"; see halfmoon serve-prefill --help)")
+    p.add_argument("--decode-args", default="", help="extra flags of every decode worker, one string "
+                   "(e.g. \"--overlap-schedule off\"; see halfmoon serve-decode --help)")
     p.add_argument("--log-dir", default="", help="child logs (default: a new temp dir)")
     p.add_argument("--endpoints-file", default="", help="also write the endpoints JSON here")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -320,7 +326,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                        page_size=args.page_size, kv_memory_mb=args.kv_memory_mb, torch_threads=args.torch_threads,
                        log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
                        prefill_device=args.prefill_device, decode_device=args.decode_device, dtype=args.dtype,
-                       load_format=args.load_format)
+                       load_format=args.load_format,
+                       role_args={"prefill": shlex.split(args.prefill_args), "decode": shlex.split(args.decode_args)})
 
 
 def print_endpoints(ep: dict, out=sys.stdout) -> None:

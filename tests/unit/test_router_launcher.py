@@ -35,3 +35,21 @@ def test_per_role_devices_and_dtype():
     assert (default.device_of("prefill", 0), default.device_of("decode", 0), default.dtype) == ("cpu", "cpu", "float32")
     with pytest.raises(SystemExit, match="--decode-device: 'gpu1'"):
         config_from_args(p.parse_args(["--decode-device", "cuda:1,gpu1"]))
+
+
+def test_role_args_reach_only_their_role_and_parse():
+    from decode_svc.main import add_arguments as decode_arguments
+    from prefill_svc.main import add_arguments as prefill_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = config_from_args(p.parse_args(["--decode-args", "--overlap-schedule off",
+                                         "--prefill-args", "--chunked-prefill-size 1024"]))
+    assert cfg.role_args == {"prefill": ["--chunked-prefill-size", "1024"], "decode": ["--overlap-schedule", "off"]}
+    dp, pp = argparse.ArgumentParser(), argparse.ArgumentParser()
+    decode_arguments(dp)
+    prefill_arguments(pp)
+    assert dp.parse_args(cfg.role_args["decode"]).overlap_schedule == "off"
+    assert pp.parse_args(cfg.role_args["prefill"]).chunked_prefill_size == 1024
+    with pytest.raises(SystemExit):  # a decode-only flag is not a prefill flag
+        pp.parse_args(cfg.role_args["decode"])
