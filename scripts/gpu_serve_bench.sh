@@ -6,21 +6,23 @@
 # the 8B shape), then `halfmoon bench serve` against the router: random 1024-in/128-out at concurrency
 # 1, 8 and 32, and shared-prefix. Results: $RES/serve_gpu_<TAG><label>.json
 # (RES defaults to $OUT).
-#   [TAG=overlap_off_ DECODE_ARGS="--overlap-schedule off"] scripts/gpu_serve_bench.sh MODEL_DIR
+#   [TAG=overlap_off_ DECODE_ARGS="--overlap-schedule off"] [PREFILL_N=2 PDEV=cuda:0] [ONLY="random_c32"] \
+#     scripts/gpu_serve_bench.sh MODEL_DIR
 set -u
 model=${1:?model dir}
 OUT=${OUT:-/tmp/out}
 RES=${RES:-$OUT}  # where the result JSONs and logs go
 mkdir -p "$RES"
 ep=$(mktemp -u)
-python3 -m halfmoon up --model "$model" --load-format dummy --dtype ${DTYPE:-bfloat16} --prefill-device ${PDEV:-cuda:0} \
+python3 -m halfmoon up --model "$model" --prefill "${PREFILL_N:-1}" --load-format dummy --dtype ${DTYPE:-bfloat16} --prefill-device ${PDEV:-cuda:0} \
   --decode-device ${DDEV:-cuda:1} --kv-memory-mb ${KV_MB:-40000} --base-port 0 --endpoints-file "$ep" \
   --log-dir "$RES/serve_logs" --ready-timeout 600 --decode-args "${DECODE_ARGS:-}" >"$RES/up.log" 2>&1 &
 up=$!
 for _ in $(seq 600); do [ -s "$ep" ] && break; kill -0 $up 2>/dev/null || break; sleep 1; done
 if [ ! -s "$ep" ]; then echo "halfmoon up did not come up"; tail -30 "$RES/up.log"; kill $up; exit 1; fi
-bench() {  # label, then bench serve args
+bench() {  # label, then bench serve args; ONLY="label ..." runs just those
   label=$1; shift
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $label "* ]]; then return; fi
   python3 -m halfmoon bench serve --endpoints "$ep" --tokenizer "$model" --ignore-eos --seed 0 --no-progress --no-requests \
     --label "${TAG:-}$label" --output "$RES/serve_gpu_${TAG:-}$label.json" "$@" 2>&1 | tail -22
 }
