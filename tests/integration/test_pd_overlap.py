@@ -5,8 +5,8 @@ co-located engine, on real processes (registry, P, D over loopback UCX, SmolLM2-
 On CPU the overlap buys no time (a CPU forward is synchronous); these tests check its bookkeeping:
 requests that end by length while a token is in flight are not launched again, the in-flight token
 of a request feeds the next step, a batch that cannot overlap (logprobs) switches to the synchronous
-step and back, max_tokens 1 and 2, a cancel while a step is in flight, and afterwards every page
-is back and no lock is held."""
+step and back, max_tokens 1 and 2, stop token ids hit while that token is in flight, a cancel while
+a step is in flight, and afterwards every page is back and no lock is held."""
 
 from __future__ import annotations
 
@@ -52,7 +52,15 @@ def test_overlap_schedule_matches_colocated(tmp_path, prompts):
         got = [c.wait() for c in calls]
         assert [r.tokens for r in got] == ref[12]
         assert all(len(ch.logprobs) == 1 for ch in got[2].chunks)
-        # 3. cancel one long request while its steps are in flight; the others finish unchanged
+        # 3. requests that stop on a token id while it is in flight (one step too many was launched
+        #    for them: its token is dropped, their pages are freed after that step)
+        stops = [ref[12][i][min(4, len(ref[12][i]) - 1)] for i in range(len(prompts))]
+        calls = [drv.start(p, sampling(12, stop_token_ids=[t])) for p, t in zip(prompts, stops)]
+        got = [c.wait() for c in calls]
+        for r, want, t in zip(got, ref[12], stops):
+            assert r.ok and r.tokens == want[:want.index(t) + 1], (r.tokens, want, t)
+            assert r.last.finish_reason == "stop"
+        # 4. cancel one long request while its steps are in flight; the others finish unchanged
         calls = [drv.start(p, sampling(12 if i else 200, ignore_eos=True)) for i, p in enumerate(prompts)]
         assert calls[0].first_chunk(timeout=120)
         time.sleep(0.5)
