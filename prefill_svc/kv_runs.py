@@ -60,7 +60,10 @@ class PoolGeometry:
         ``buffer_addrs[0] + p * page_stride_bytes + b * page_bytes``; when a page's buffers are
         back to back (``page_stride_bytes == num_buffers * page_bytes``, as ``engine.kv_pool.KVPool``
         lays them out) a run is one range for all buffers at once.
-    Units: addresses and ``*_bytes`` in bytes, ``num_pages`` in pages.
+    Units: addresses and ``*_bytes`` in bytes, ``num_pages`` in pages, ``page_size`` in tokens.
+    ``dtype`` ("float32", "bfloat16", ...) and ``page_size`` are compared only when both sides set
+    them ("" / 0 = unknown): bfloat16 and float16 pages have the same size, so ``page_bytes`` alone
+    cannot tell them apart.
     """
 
     layout: str
@@ -69,13 +72,15 @@ class PoolGeometry:
     num_pages: int
     page_stride_bytes: int = 0
     num_buffers: int = 0  # buffers per page, 2 * layers (page_major needs it)
+    dtype: str = ""
+    page_size: int = 0
 
     @classmethod
     def from_layout(cls, kv_layout) -> "PoolGeometry":
         """From a ``registry_pb2.KVLayout``."""
         return cls(kv_layout.layout, tuple(kv_layout.buffer_addrs), int(kv_layout.page_bytes),
                    int(kv_layout.num_pages), int(kv_layout.page_stride_bytes),
-                   2 * int(kv_layout.num_layers))
+                   2 * int(kv_layout.num_layers), kv_layout.dtype, int(kv_layout.page_size))
 
     @property
     def contiguous_pages(self) -> bool:
@@ -83,18 +88,28 @@ class PoolGeometry:
         return self.layout == "page_major" and self.page_stride_bytes == self.num_buffers * self.page_bytes
 
     def compatible(self, other: "PoolGeometry") -> str | None:
-        """None when pages can be copied byte for byte between the two pools, else the reason."""
+        """None when pages can be copied byte for byte between the two pools, else the reason, which
+        names the worker flag that differs (``self`` is "here", ``other`` "the peer")."""
         if self.layout not in ("layer_major", "page_major"):
             return f"unknown KV layout {self.layout!r}"
         if self.layout != other.layout:
             return (f"KV layout {self.layout} here but {other.layout} on the peer (prefill and decode "
                     f"need the same --kv-layout)")
+        if self.dtype and other.dtype and self.dtype != other.dtype:
+            return (f"KV dtype {self.dtype} here but {other.dtype} on the peer (prefill and decode "
+                    f"need the same --dtype)")
+        if self.page_size and other.page_size and self.page_size != other.page_size:
+            return (f"page size {self.page_size} tokens here but {other.page_size} on the peer (prefill "
+                    f"and decode need the same --page-size)")
         if self.page_bytes != other.page_bytes:
-            return f"page_bytes {self.page_bytes} != {other.page_bytes}"
+            return (f"page_bytes {self.page_bytes} here but {other.page_bytes} on the peer (prefill and "
+                    f"decode need the same --model, --dtype and --page-size)")
         if self.layout == "layer_major" and len(self.buffer_addrs) != len(other.buffer_addrs):
-            return f"{len(self.buffer_addrs)} != {len(other.buffer_addrs)} buffers"
+            return (f"{len(self.buffer_addrs)} buffers here but {len(other.buffer_addrs)} on the peer "
+                    f"(prefill and decode need the same --model)")
         if self.layout == "page_major" and self.num_buffers != other.num_buffers:
-            return f"{self.num_buffers} != {other.num_buffers} buffers per page"
+            return (f"{self.num_buffers} buffers per page here but {other.num_buffers} on the peer "
+                    f"(prefill and decode need the same --model)")
         return None
 
     def ranges(self, page: int, length: int, merge: bool = True) -> list[tuple[int, int]]:

@@ -87,6 +87,23 @@ def test_layout_mismatch_is_a_clear_error():
         descriptors(merge_runs([0], [0]), pm, lm)
     other = KVPool(16, page_size=4, num_layers=30, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     assert "buffers per page" in pm.compatible(_geometry(other))
+    assert "--model" in pm.compatible(_geometry(other))
+
+
+@pytest.mark.parametrize("change,flag", [(dict(dtype=torch.float16), "--dtype"),
+                                         (dict(page_size=8), "--page-size"),
+                                         (dict(head_dim=16), "--model")])
+def test_pools_that_differ_name_the_flag(change, flag):
+    """bfloat16 and float16 pages have the same size: without the dtype check a bf16 P and an fp16 D
+    passed every check and D decoded from reinterpreted bytes (garbage text, no error)."""
+    bf16 = dict(SHAPE, dtype=torch.bfloat16)
+    here = _geometry(KVPool(16, layout="page_major", **bf16))
+    peer = _geometry(KVPool(16, layout="page_major", **dict(bf16, **change)))
+    why = here.compatible(peer)
+    assert why and flag in why, why
+    with pytest.raises(ValueError, match=flag):
+        descriptors(merge_runs([0], [0]), here, peer)
+    assert here.compatible(_geometry(KVPool(16, layout="page_major", **bf16))) is None
 
 
 def test_page_checksums_do_not_depend_on_the_layout():
