@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from pd_common.worker_runtime import Worker, add_common_arguments, engine_config
@@ -48,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     transfer = w.start_transfer(runner)
     tok = _tokenizer(runner, args.model)
     holder = {}
+    overlap = args.overlap_schedule == "on" or (args.overlap_schedule == "auto" and runner.device.type == "cuda")
+    logging.getLogger("halfmoon.decode").info("overlap schedule: %s (--overlap-schedule %s)",
+                                              "on" if overlap else "off", args.overlap_schedule)
     peers = PrefillPeers(lambda *m: holder["s"].post(*m), registry=w.registry)
     sched = DecodeScheduler(runner, transfer, peers, segment_name=transfer.name,
                             eos_token_ids=runner.model_config.eos_token_ids, tokenizer=tok,
@@ -55,8 +59,7 @@ def run(args: argparse.Namespace) -> int:
                             disable_radix_cache=args.disable_decode_radix_cache,
                             checksums=args.kv_checksums, kv_wait_timeout_s=args.kv_wait_timeout,
                             fence_timeout_s=args.fence_timeout,
-                            overlap_schedule=args.overlap_schedule == "on" or (
-                                args.overlap_schedule == "auto" and runner.device.type == "cuda"))
+                            overlap_schedule=overlap)
     holder["s"] = sched
     sched.start()
     servicer = DecodeServicer(sched, args.worker_id, vocab_size=runner.vocab_size,

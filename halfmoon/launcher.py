@@ -301,17 +301,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-device", default="cpu",
                    help="device of the decode workers: cpu | cuda:N, or a comma list taken in turn")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV dtype of every worker (bfloat16 on GPUs)")
+                   help="weights and KV dtype of every worker, whatever its device (pass bfloat16 for GPUs)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights (--model: a shape name, or a dir with config.json + tokenizer)")
     p.add_argument("--prefill-args", default="", help="extra flags of every prefill worker, one string "
-                   "(e.g. \"--chunked-prefill-size 1024\"; see halfmoon serve-prefill --help)")
+                   "(e.g. \"--chunked-prefill-size 1024\"; see halfmoon serve-prefill --help; a lone flag "
+                   "needs the = form: --prefill-args=--kv-checksums)")
     p.add_argument("--decode-args", default="", help="extra flags of every decode worker, one string "
-                   "(e.g. \"--overlap-schedule off\"; see halfmoon serve-decode --help)")
+                   "(e.g. \"--overlap-schedule off\"; see halfmoon serve-decode --help). P and D must "
+                   "agree on --kv-layout: pass it in both --prefill-args and --decode-args")
     p.add_argument("--log-dir", default="", help="child logs (default: a new temp dir)")
     p.add_argument("--endpoints-file", default="", help="also write the endpoints JSON here")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--stop-timeout", type=float, default=10.0)
+
+
+def role_args(role: str, text: str) -> list[str]:
+    """``--prefill-args`` / ``--decode-args`` split like a shell does, then parsed by that role's own
+    parser, so a typo stops ``up`` before any process starts.
+
+    Raises:
+        SystemExit: unbalanced quotes, an unknown flag or a bad value (one line naming the flag).
+    """
+    import importlib
+
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:
+        raise SystemExit(f"up: --{role}-args: {e}") from None
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise SystemExit(f"up: --{role}-args: {message} (see halfmoon serve-{role} --help)")
+
+    parser = _Parser(prog=f"halfmoon serve-{role}", add_help=False)
+    importlib.import_module(f"{role}_svc.main").add_arguments(parser)
+    parser.parse_args(argv)
+    return argv
 
 
 def config_from_args(args: argparse.Namespace) -> StackConfig:
@@ -327,7 +353,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                        log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
                        prefill_device=args.prefill_device, decode_device=args.decode_device, dtype=args.dtype,
                        load_format=args.load_format,
-                       role_args={"prefill": shlex.split(args.prefill_args), "decode": shlex.split(args.decode_args)})
+                       role_args={"prefill": role_args("prefill", args.prefill_args),
+                                  "decode": role_args("decode", args.decode_args)})
 
 
 def print_endpoints(ep: dict, out=sys.stdout) -> None:

@@ -2,8 +2,9 @@
 
 Start-up order: model + KV pool (ModelRunner) -> transfer engine with every K/V buffer registered
 -> gRPC server (service + grpc.health.v1 NOT_SERVING + reflection) -> ``/metrics`` -> publish the
-segment (KVLayout "layer_major") and the worker record in the registry (heartbeats) -> health
-SERVING -> one line ``READY <worker-id> grpc=<addr>`` on stdout. SIGTERM/SIGINT stop it in reverse.
+segment (KVLayout: the pool's ``--kv-layout``) and the worker record in the registry (heartbeats)
+-> health SERVING -> one line ``READY <worker-id> grpc=<addr>`` on stdout. SIGTERM/SIGINT stop it
+in reverse. A ``--device`` this process cannot use stops it first with one ``error:`` line.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import faulthandler
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -25,6 +27,31 @@ from grpc_reflection.v1alpha import reflection
 from halfmoon import metrics as M
 
 log = logging.getLogger("halfmoon.worker")
+
+
+def device_spec(value: str) -> str:
+    """argparse type of ``--device``: ``cpu``, ``cuda`` or ``cuda:N`` (an ArgumentTypeError otherwise)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not cpu, cuda or cuda:N")
+    return value
+
+
+def check_device(device: str) -> None:
+    """Stop the worker with a one-line error (SystemExit, no traceback) when ``device`` is a CUDA
+    device this process cannot use: no CUDA in this torch build or no GPU visible, or an index past
+    the visible GPUs. A no-op for ``cpu``."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    idx = int(device.partition(":")[2] or 0)
+    if n == 0:
+        built = "built with CUDA" if torch.backends.cuda.is_built() else "a CPU-only build"
+        raise SystemExit(f"error: --device {device}: no CUDA device is available (torch {torch.__version__}, "
+                         f"{built})")
+    if idx >= n:
+        raise SystemExit(f"error: --device {device}: {n} CUDA device(s) visible (cuda:0..cuda:{n - 1})")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
@@ -74,9 +101,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                         help="[prefill] no prefix cache on the prefill worker")
     parser.add_argument("--transfer-log", default=None,
                         help="[prefill] append one JSON line per KV batch and notice to this file")
-    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument("--device", default="cpu", type=device_spec, help="cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="weights and KV dtype (bfloat16 on GPUs; fp32 is the CPU reference)")
+                        help="weights and KV dtype (P and D must match; pass bfloat16 on GPUs, float32 is "
+                             "the CPU reference)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -124,6 +152,7 @@ class Worker:
                             format=f"%(asctime)s %(levelname)s {args.worker_id} %(name)s: %(message)s")
         os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: thread dump
+        check_device(args.device)
         bind_cuda_device(args.device)  # before the model loads and CUDA graphs are captured
         self.args = args
         self.role = role

@@ -53,3 +53,34 @@ def test_role_args_reach_only_their_role_and_parse():
     assert pp.parse_args(cfg.role_args["prefill"]).chunked_prefill_size == 1024
     with pytest.raises(SystemExit):  # a decode-only flag is not a prefill flag
         pp.parse_args(cfg.role_args["decode"])
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--decode-args", "--kv-layout bogus", "--decode-args: argument --kv-layout: invalid choice: 'bogus'"),
+    ("--decode-args", "--overlap-schedule maybe", "argument --overlap-schedule: invalid choice"),
+    ("--decode-args", "--no-such-flag", "--decode-args: unrecognized arguments: --no-such-flag"),
+    ("--decode-args", "--device gpu1", "argument --device: 'gpu1' is not cpu, cuda or cuda:N"),
+    ("--prefill-args", "--overlap-schedule on", "--prefill-args: unrecognized arguments: --overlap-schedule"),
+    ("--prefill-args", "--page-size '16", "--prefill-args: No closing quotation"),
+])
+def test_bad_role_args_stop_up_before_anything_starts(flag, value, says):
+    """A typo in --prefill-args/--decode-args is one line naming the flag from config_from_args (no
+    process started), not a worker's usage dump after the registry started, nor a shlex traceback."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(SystemExit) as e:
+        config_from_args(p.parse_args([f"{flag}={value}"]))  # "=": a lone flag is no value to argparse
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_worker_with_an_unusable_cuda_device_says_so_in_one_line():
+    """`serve-decode --device cuda:99` (no such GPU here, or a CPU-only torch) exits with an `error:
+    --device` line before loading anything, not a torch traceback from set_device."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "halfmoon", "serve-decode", "--device", "cuda:99",
+                        "--metrics-port", "-1"], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "error: --device cuda:99:" in r.stderr, r.stderr
