@@ -86,14 +86,23 @@ class _Legs:
         self.p.inflight -= 1
         self.d.inflight -= 1
         self.d_call.cancel()
-        if not self.p_task.done():
-            self.p_task.cancel()
+        _discard(self.p_task)
         if abort:
             req = common_pb2.AbortRequest(request_id=self.prep.request_id, room=self.room, reason=reason)
             for w in (self.d, self.p):
                 t = asyncio.ensure_future(_abort_leg(w, req))
                 background.add(t)
                 t.add_done_callback(background.discard)
+
+
+def _discard(task: asyncio.Future) -> None:
+    """Cancel a pending leg task, or mark a finished one's exception as seen: both legs can fail in the
+    same wait (P refuses the pair, D reports "prefill failed"), and an exception nobody retrieved is
+    logged by asyncio as "Task exception was never retrieved" with a traceback."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
 
 
 async def _abort_leg(w: Worker, req: common_pb2.AbortRequest) -> None:
@@ -285,8 +294,7 @@ class Dispatcher:
                                           f"finished with {chunk.finish_reason!r} before the first token")
                     read = legs.read()  # a header chunk without tokens: keep waiting
         finally:
-            if not read.done():
-                read.cancel()
+            _discard(read)
 
     async def _relay(self, prep: PreparedRequest, legs: _Legs, first: decode_pb2.DecodeChunk,
                      abort_wait: asyncio.Future, handle: _Inflight, deadline: float, start: float,
@@ -335,7 +343,7 @@ class Dispatcher:
             done, _ = await asyncio.wait({read, abort_wait}, timeout=max(0.0, deadline - time.monotonic()),
                                          return_when=asyncio.FIRST_COMPLETED)
             if abort_wait in done or not done:
-                read.cancel()
+                _discard(read)
                 if not done:
                     raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                       f"deadline passed after {n_tokens} tokens")

@@ -281,3 +281,56 @@ def test_pool_marks_not_serving_and_unreachable_workers_down(tok):
         return healthy
 
     assert run(main()) is False   # connection refused: down at the next periodic check
+
+
+def test_both_legs_failing_in_one_wait_log_no_unretrieved_task_exception(tok):
+    """P refusing a pair (e.g. FAILED_PRECONDITION for a --kv-layout mismatch) and D's UNAVAILABLE
+    "prefill failed" can complete in the same wait. The attempt fails on P's error; D's exception must
+    be retrieved as well, else asyncio logs "Task exception was never retrieved" with a traceback in
+    the router log for every such request."""
+    import gc
+    import time
+
+    from router_svc.dispatch import _LegFailure
+
+    def rpc_error(code, details):
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        unretrieved = []
+        loop.set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx.get("message")))
+        pool = WorkerPool()
+        p, d = pool.add("p0", "prefill", "127.0.0.1:1"), pool.add("d0", "decode", "127.0.0.1:2")
+        disp = Dispatcher(tok, pool, make_policy("round_robin"), make_policy("round_robin"))
+
+        def failed(code, details):
+            f = loop.create_future()
+            f.set_exception(rpc_error(code, details))
+            return f
+
+        class Legs:  # both legs already failed when the dispatcher first waits on them
+            p_result = None
+
+            def __init__(self):
+                self.p, self.d = p, d
+                self.p_task = failed(grpc.StatusCode.FAILED_PRECONDITION, "need the same --kv-layout")
+
+            def read(self):
+                return failed(grpc.StatusCode.UNAVAILABLE, "prefill failed: need the same --kv-layout")
+
+        abort_wait = loop.create_future()
+        failure = None
+        try:
+            await disp._first_chunk(Legs(), abort_wait, time.monotonic() + 5)
+        except _LegFailure as e:
+            failure = (e.leg, e.code)
+        abort_wait.cancel()
+        gc.collect()
+        await asyncio.sleep(0)
+        await pool.close()
+        return failure, unretrieved
+
+    failure, unretrieved = run(main())
+    assert failure == ("prefill", grpc.StatusCode.FAILED_PRECONDITION)
+    assert unretrieved == []
