@@ -318,6 +318,9 @@ class PrefillScheduler:
     def _check_destination(self, job: PrefillJob, dest: Destination) -> str | None:
         m = dest.msg
         n = len(job.ids)
+        why = self.geometry.compatible(dest.geometry)  # first: a D of another --page-size also
+        if why:                                         # miscounts pages, and this names the flag
+            return why
         if m.prompt_len and m.prompt_len != n:
             return f"destination prompt_len {m.prompt_len} != prompt length {n}"
         if m.pre_len < 0 or m.pre_len > n or m.pre_len % self.ps:
@@ -327,7 +330,7 @@ class PrefillScheduler:
             return f"destination has {len(m.dst_page_ids)} pages; the delta needs {want}"
         if any(p < 0 or p >= dest.geometry.num_pages for p in m.dst_page_ids):
             return "destination page id outside the decode pool"
-        return self.geometry.compatible(dest.geometry)
+        return None
 
     def _prefill_step(self) -> None:
         jobs, toks, budget = [], [], self.chunk
