@@ -101,6 +101,22 @@ class ForwardBatch:
         ``kv_lens[i]`` of row ``rows[i]``, whose slot ``req_to_token[rows[i], kv_lens[i]]`` must already
         be written there (D reserves every slot up front); it is gathered on ``req_to_token``'s device,
         so the caller does not index the table per request. Same fields as :meth:`build` gives.
+
+        Args:
+            rows: B ``req_to_token`` rows (ints).
+            kv_lens: B lengths in tokens: the K/V already in the pool per request (= the fed token's
+                position; ``seq_lens`` = ``kv_lens + 1`` and ``prefix_lens`` = ``kv_lens``).
+            last_tokens: B token ids fed this step (the overlap schedule passes placeholders and then
+                writes ``input_ids`` on the device).
+            req_to_token: int64 ``[rows, max_context]`` slot table (``ReqToTokenPool.req_to_token``); its
+                device is the batch's device.
+        Returns:
+            A DECODE ForwardBatch: ``input_ids``, ``positions`` (= ``prefix_lens``, the same tensor),
+            ``seq_lens``, ``extend_lens`` (all 1) and ``req_pool_indices`` are int64 [B] views of one
+            device copy (of the host tensor itself on CPU); ``out_cache_loc`` int64 [B]; the ``*_cpu``
+            fields are int64 [B] host tensors.
+        Raises:
+            ValueError: the three lists differ in length, or B == 0.
         """
         B = len(rows)
         if not (B == len(kv_lens) == len(last_tokens)) or B == 0:

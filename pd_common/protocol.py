@@ -3,7 +3,8 @@
 - request validation (before anything is allocated): ids, room, sampling -> InvalidRequestError
   naming the field (services answer INVALID_ARGUMENT);
 - proto <-> engine conversions (SamplingParams, TokenLogprob);
-- the KV layout a worker publishes (``registry.proto`` KVLayout, "layer_major");
+- the KV layout a worker publishes (``registry.proto`` KVLayout: "page_major" or "layer_major",
+  the pool's ``--kv-layout``);
 - per-page checksums: ``crc32`` of page p's bytes in every buffer, K_0, V_0, K_1, ... in order
   (the same bytes P sends; D recomputes them over its destination pages).
 """
