@@ -21,6 +21,7 @@ Files (one concept each):
   request.py             Req: one request's token/slot bookkeeping in the scheduler
   engine.py              Engine: generate(...) and add_request/step streaming API, kv_stats()
   engine_args.py         command-line flags -> EngineConfig (shared by CLIs and workers)
+  device.py              --device values (cpu | cuda | cuda:N), one-line error for an unusable CUDA device
   radix_cache.py         page-aligned radix tree (issue 3, another owner); page_hash.py its page keys
   attention/flashinfer_backend.py, fused_ops.py, cuda_graph_runner.py   GPU path (another owner)
   model_store.py         local model cache (names -> HF directories)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import EngineConfig
+from engine.device import check_device, device_spec
 from engine.kv_pool import KV_LAYOUTS
 
 
@@ -16,7 +17,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "shape name with --load-format dummy (default %(default)s)")
     g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default=d.device)
+    g.add_argument("--device", default=d.device, type=device_spec, help="cpu | cuda | cuda:N")
     g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
     g.add_argument("--kv-memory", default=str(d.kv_memory),
                    help="KV pool budget: bytes ('2GiB', '536870912') or a fraction of free memory ('0.1')")
@@ -34,7 +35,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the parsed flags. Raises SystemExit (one line) for a CUDA ``--device`` this
+    process cannot use (``engine.device.check_device``)."""
     from engine.config import parse_bytes
+
+    check_device(args.device)
 
     return EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,

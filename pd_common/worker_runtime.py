@@ -13,7 +13,6 @@ import argparse
 import faulthandler
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -24,34 +23,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.device import check_device, device_spec
 from halfmoon import metrics as M
 
 log = logging.getLogger("halfmoon.worker")
-
-
-def device_spec(value: str) -> str:
-    """argparse type of ``--device``: ``cpu``, ``cuda`` or ``cuda:N`` (an ArgumentTypeError otherwise)."""
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
-        raise argparse.ArgumentTypeError(f"{value!r} is not cpu, cuda or cuda:N")
-    return value
-
-
-def check_device(device: str) -> None:
-    """Stop the worker with a one-line error (SystemExit, no traceback) when ``device`` is a CUDA
-    device this process cannot use: no CUDA in this torch build or no GPU visible, or an index past
-    the visible GPUs. A no-op for ``cpu``."""
-    if not device.startswith("cuda"):
-        return
-    import torch
-
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    idx = int(device.partition(":")[2] or 0)
-    if n == 0:
-        built = "built with CUDA" if torch.backends.cuda.is_built() else "a CPU-only build"
-        raise SystemExit(f"error: --device {device}: no CUDA device is available (torch {torch.__version__}, "
-                         f"{built})")
-    if idx >= n:
-        raise SystemExit(f"error: --device {device}: {n} CUDA device(s) visible (cuda:0..cuda:{n - 1})")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:

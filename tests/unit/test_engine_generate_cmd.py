@@ -30,3 +30,13 @@ def test_remote_generate_out_of_range_flag_is_exit_2():
                            capture_output=True, text=True, timeout=120, env=ENV)
         assert p.returncode == 2, p.stderr
         assert "INVALID_ARGUMENT" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_offline_generate_bad_device_is_one_error_line():
+    """`--device gpu1` is an argparse error (exit 2); `--device cuda:99` (no such GPU here, or a
+    CPU-only torch) is one `error: --device` line before any model loads: no torch traceback."""
+    p = _run("hi", "--device", "gpu1")
+    assert p.returncode == 2 and "argument --device: 'gpu1' is not cpu, cuda or cuda:N" in p.stderr, p.stderr
+    p = _run("hi", "--device", "cuda:99")
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert "error: --device cuda:99:" in p.stderr, p.stderr
