@@ -123,7 +123,7 @@ class DecodeScheduler:
         runner: ``engine.model_runner.ModelRunner`` (rows = 2 x max_running: pre-allocated and
             transferring requests do not take running slots, anchors §1.5).
         transfer: ``transfer_svc.engine.TransferEngine`` (notices arrive through it).
-        net: ``decode_svc.peer.PrefillPeers`` (SetDestination / Abort / liveness, own threads).
+        net: ``decode_svc.peers.PrefillPeers`` (SetDestination / Abort / liveness, own threads).
         segment_name: D's segment name (sent to P in the destination).
         eos_token_ids: stop ids of the model; tokenizer: for stop strings (None: rejected).
         kv_wait_timeout_s: a request waiting for KV this long fails (DEADLINE_EXCEEDED).

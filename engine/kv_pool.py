@@ -31,7 +31,8 @@ KV_LAYOUTS = ("page_major", "layer_major")
 
 
 def available_memory(device: torch.device) -> int:
-    """Free bytes on ``device`` (CUDA: ``mem_get_info``; CPU: ``MemAvailable`` of /proc/meminfo)."""
+    """Free bytes on ``device`` (CUDA: ``mem_get_info``; CPU: ``MemAvailable`` of /proc/meminfo).
+    Raises RuntimeError when /proc/meminfo has no MemAvailable line."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:
@@ -46,6 +47,9 @@ def pages_for_budget(budget, page_size: int, num_layers: int, num_kv_heads: int,
     """Number of pages a budget buys: bytes, ``"2GiB"``, or a fraction in (0, 1] of free memory.
 
     One page costs ``2 * num_layers * page_size * num_kv_heads * head_dim * itemsize`` bytes.
+
+    Raises:
+        ValueError: a fraction outside (0, 1], or a budget below one page (messages name kv_memory).
     """
     b = parse_bytes(budget)
     if isinstance(b, float):
@@ -112,6 +116,7 @@ class KVPool:
 
     @property
     def num_slots(self) -> int:
+        """KV slots (tokens) the pool holds: ``num_pages * page_size``."""
         return self.num_pages * self.page_size
 
     @property
@@ -128,6 +133,8 @@ class KVPool:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of K and V of every layer and page (either layout): ``2 * num_layers * num_pages *
+        page_bytes``."""
         return 2 * self.num_layers * self.num_pages * self.page_bytes
 
     def buffers(self) -> list[torch.Tensor]:

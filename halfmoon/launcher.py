@@ -291,7 +291,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the router picks a prefill worker")
     p.add_argument("--decode-policy", default="cache_aware", choices=POLICY_NAMES,
                    help="how the router picks a decode worker")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (workers and router)")
     p.add_argument("--kv-memory-mb", type=float, default=384.0,
                    help="KV pool per worker (MiB); the default holds one full-context (8192-token) request "
                         "of the default model (fp32, 46 KB per token)")
@@ -312,8 +312,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "agree on --kv-layout: pass it in both --prefill-args and --decode-args")
     p.add_argument("--log-dir", default="", help="child logs (default: a new temp dir)")
     p.add_argument("--endpoints-file", default="", help="also write the endpoints JSON here")
-    p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument("--stop-timeout", type=float, default=10.0)
+    p.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds for every process to be ready and the router to see all workers")
+    p.add_argument("--stop-timeout", type=float, default=10.0,
+                   help="seconds each group has after SIGTERM before SIGKILL")
 
 
 def role_args(role: str, text: str) -> list[str]:

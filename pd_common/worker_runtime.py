@@ -32,7 +32,8 @@ log = logging.getLogger("halfmoon.worker")
 def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     """Flags both workers take (the router and launcher engineers use exactly these)."""
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model name or HF directory")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights (--model: a shape name, or a dir with config.json)")
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
     parser.add_argument("--metrics-port", type=int, default=0,
@@ -49,7 +50,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--kv-memory-mb", type=float, default=512.0, help="KV pool budget in MiB")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-memory-mb)")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op torch threads")
-    parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument("--max-running-requests", type=int, default=32,
+                        help="prefill: requests held at once (req_to_token rows); decode: requests "
+                             "decoding at once, plus as many more pre-allocated / waiting for KV")
     parser.add_argument("--max-context", type=int, default=None, help="tokens per request (default: model's)")
     parser.add_argument("--chunked-prefill-size", type=int, default=512,
                         help="max prompt tokens per prefill forward (bounds how long one step blocks)")
@@ -80,7 +83,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights and KV dtype (P and D must match; pass bfloat16 on GPUs, float32 is "
                              "the CPU reference)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
 
 
 def ucx_transports(spec: str, device: str) -> str | None:
