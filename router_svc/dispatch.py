@@ -192,8 +192,7 @@ class Dispatcher:
             attempt = 0
             for attempt in range(self.max_attempts):
                 try:
-                    p = self.pool.pick(PREFILL, self.prefill_policy, prep.input_ids, tried)
-                    d = self.pool.pick(DECODE, self.decode_policy, prep.input_ids, tried)
+                    p, d = self.pool.pick_pair(self.prefill_policy, self.decode_policy, prep.input_ids, tried)
                 except NoWorkerError as exc:
                     if last is not None:
                         break

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import common_pb2, registry_pb2, registry_pb2_grpc
 from router_svc.policies import NoWorkerError, Policy
-from router_svc.worker import DECODE, PREFILL, Worker
+from router_svc.worker import DECODE, PREFILL, Worker, kv_compatible, kv_mismatch, kv_signature
 
 log = logging.getLogger("halfmoon.router.pool")
 
@@ -106,6 +106,41 @@ class WorkerPool:
             return policy.pick(preferred if preferred else workers, input_ids)
         except NoWorkerError:  # say which role is missing (a client sees this in its 503)
             raise NoWorkerError(f"no healthy {role} worker ({len(workers)} registered)") from None
+
+    def pick_pair(self, prefill_policy: Policy, decode_policy: Policy, input_ids: list[int],
+                  exclude: set[str] = frozenset()) -> tuple[Worker, Worker]:
+        """A prefill and a decode worker whose KV pools match (``Worker.kv_signature``), each picked by
+        its policy, avoiding ``exclude`` when another is available. A prefill worker that matches no
+        decode worker is passed over for the next one.
+
+        Raises:
+            NoWorkerError: no available worker of a role, or no matching pair (the message names the
+                fields that differ and the flags that set them).
+        """
+        decodes = self.by_role(DECODE)
+        skipped: list[Worker] = []
+        while True:
+            prefills = [w for w in self.by_role(PREFILL) if w not in skipped]
+            preferred = [w for w in prefills if w.worker_id not in exclude and w.available]
+            try:
+                p = prefill_policy.pick(preferred or prefills, input_ids)
+            except NoWorkerError:
+                if skipped:
+                    d0 = next(w for w in decodes if w.kv_signature is not None)
+                    raise NoWorkerError(f"no decode worker's KV pool matches a prefill worker's: "
+                                        f"{skipped[0].worker_id} vs {d0.worker_id}: {kv_mismatch(skipped[0], d0)}; "
+                                        f"prefill and decode workers need the same flags") from None
+                raise NoWorkerError(f"no healthy prefill worker ({len(self.by_role(PREFILL))} registered)") from None
+            matching = [w for w in decodes if kv_compatible(p, w)]
+            if matching or not decodes:
+                break
+            p.dispatched_since_report -= 1  # not sent there after all
+            skipped.append(p)
+        preferred = [w for w in matching if w.worker_id not in exclude and w.available]
+        try:
+            return p, decode_policy.pick(preferred or matching, input_ids)
+        except NoWorkerError:
+            raise NoWorkerError(f"no healthy decode worker ({len(decodes)} registered)") from None
 
     def mark_failed(self, w: Worker, why: str) -> None:
         """Stop picking ``w`` until a health check passes."""
@@ -205,7 +240,8 @@ class WorkerPool:
                     elif not self._model_ok(rec.model):
                         log.warning("ignoring worker %s: model %r is not served here", rec.worker_id, rec.model)
                     else:
-                        self.add(rec.worker_id, role, rec.grpc_address)
+                        w = self.add(rec.worker_id, role, rec.grpc_address)
+                        w.kv_signature = kv_signature(rec.segment.kv_layout)
                         seen.add(rec.worker_id)
             except asyncio.CancelledError:
                 raise

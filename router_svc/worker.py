@@ -26,6 +26,9 @@ class Worker:
         load: the last ``GetLoad`` report, or None before the first one.
         dispatched_since_report: requests sent here since ``load`` was taken (optimistic load).
         inflight: requests of this router currently using this worker.
+        kv_signature: what its KV pool looks like (:func:`kv_signature` of the ``KVLayout`` it published
+            in the registry), or None when unknown (static list): a prefill and a decode worker can
+            move KV pages between them only when their signatures are equal.
     """
 
     worker_id: str
@@ -41,6 +44,7 @@ class Worker:
     inflight: int = 0
     failures: int = 0          # health checks failed or timed out in a row
     last_error: str = ""
+    kv_signature: tuple | None = None
 
     @property
     def available(self) -> bool:
@@ -70,3 +74,31 @@ class Worker:
             ])
             stub_cls = prefill_pb2_grpc.PrefillStub if self.role == PREFILL else decode_pb2_grpc.DecodeStub
             self.stub = stub_cls(self.channel)
+
+
+KV_SIGNATURE_FIELDS = ("layout", "dtype", "page_size", "num_layers", "kv_heads", "head_dim")
+KV_SIGNATURE_FLAGS = {"layout": "--kv-layout", "dtype": "--dtype", "page_size": "--page-size",
+                      "num_layers": "--model", "kv_heads": "--model", "head_dim": "--model"}
+
+
+def kv_signature(kv_layout) -> tuple | None:
+    """The fields of a ``registry_pb2.KVLayout`` two pools must share for byte-for-byte page copies
+    (:data:`KV_SIGNATURE_FIELDS`), or None for an empty layout (a worker that published none)."""
+    if not kv_layout.layout:
+        return None
+    return tuple(getattr(kv_layout, f) for f in KV_SIGNATURE_FIELDS)
+
+
+def kv_compatible(a: Worker, b: Worker) -> bool:
+    """True unless both workers' KV signatures are known and differ."""
+    return a.kv_signature is None or b.kv_signature is None or a.kv_signature == b.kv_signature
+
+
+def kv_mismatch(a: Worker, b: Worker) -> str:
+    """'--kv-layout page_major vs layer_major, ...' for two workers whose signatures differ."""
+    parts = []
+    for f, x, y in zip(KV_SIGNATURE_FIELDS, a.kv_signature or (), b.kv_signature or ()):
+        if x != y:
+            parts.append(f"{f} {x} vs {y} ({KV_SIGNATURE_FLAGS[f]})")
+    return ", ".join(parts)
+
