@@ -28,7 +28,7 @@ import bisect
 
 import torch
 
-from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+from engine.attention.flashinfer_backend import FlashInferAttentionBackend, page_counts
 from engine.forward_batch import ForwardBatch, ForwardMode
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -108,14 +108,10 @@ class CudaGraphRunner:
     def _plan(self, b: int, batch: ForwardBatch | None) -> None:
         """Plan bucket ``b``'s wrapper from host-side lengths: the batch's B requests, then b - B
         one-token pad entries. Page ids are not passed: the graph gathers them (``_fill_page_ids``)."""
-        ps = self.page_size
         seq = torch.ones(b, dtype=torch.int64)
         if batch is not None and batch.batch_size:
             seq[: batch.batch_size] = batch.host_lens()[0]
-        npages = (seq + ps - 1) // ps
-        indptr = torch.zeros(b + 1, dtype=torch.int32)
-        torch.cumsum(npages, 0, out=indptr[1:])
-        last = (seq - (npages - 1) * ps).to(torch.int32)
+        indptr, last = page_counts(seq, self.page_size)
         self.backend.plan_decode(self.wrappers[b], indptr, self._no_indices, last)
 
     def _fill_page_ids(self, b: int) -> None:

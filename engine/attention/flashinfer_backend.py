@@ -40,31 +40,38 @@ EXTEND_MODES = ("ragged", "paged")
 WORKSPACE_BYTES = 256 << 20  # flashinfer's float workspace (split-kv partial outputs); 128 MiB recommended
 
 
+def page_counts(seq_lens_cpu: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host half of a page table: ``(indptr, last_page_len)``, both int32 on the CPU.
+
+    ``seq_lens_cpu``: int64 [B] tokens per request (>= 0). indptr [B+1]: cumulative page counts;
+    last_page_len [B]: tokens in each request's last page, 1..page_size, and 0 for a request of 0
+    tokens, which has no page (flashinfer's kv_len = max(pages - 1, 0) * page_size + last_page_len).
+    """
+    seq = seq_lens_cpu.to(torch.int64)
+    npages = (seq + page_size - 1) // page_size
+    indptr = torch.zeros(len(seq) + 1, dtype=torch.int32)
+    torch.cumsum(npages, 0, out=indptr[1:])
+    last = torch.where(npages > 0, seq - (npages - 1) * page_size, 0).to(torch.int32)
+    return indptr, last
+
+
 def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens_cpu: torch.Tensor,
                page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """flashinfer page table of requests ``rows`` (int64 [B], on the pool's device).
 
-    Returns ``(indptr, indices, last_page_len)``: indptr int32 [B+1] on the CPU (cumulative page
-    counts), indices int32 [indptr[-1]] on ``req_to_token``'s device (page ids, computed there without
-    a host sync), last_page_len int32 [B] on the CPU (tokens in
-    each request's last page, 1..page_size; 0 for a request of 0 tokens, which has no page).
-    ``seq_lens_cpu``: int64 [B] tokens per request (>= 0).
+    Returns ``(indptr, indices, last_page_len)``: indptr and last_page_len from :func:`page_counts`
+    (int32, CPU), indices int32 [indptr[-1]] on ``req_to_token``'s device (page ids, computed there
+    without a host sync). ``seq_lens_cpu``: int64 [B] tokens per request (>= 0).
     """
-    seq = seq_lens_cpu.to(torch.int64)
-    npages = (seq + page_size - 1) // page_size
-    indptr = torch.zeros(len(seq) + 1, dtype=torch.int64)
-    torch.cumsum(npages, 0, out=indptr[1:])
-    total = int(indptr[-1])
-    # flashinfer's kv_len = max(pages - 1, 0) * page_size + last_page_len: an empty row needs last 0
-    last = torch.where(npages > 0, seq - (npages - 1) * page_size, 0).to(torch.int32)
+    indptr, last = page_counts(seq_lens_cpu, page_size)
     dev = req_to_token.device
     # page j of the flattened table belongs to request i = searchsorted(indptr, j, right) - 1
-    j = torch.arange(total, device=dev)
-    indptr_dev = indptr.to(dev, non_blocking=True)
+    j = torch.arange(int(indptr[-1]), device=dev)
+    indptr_dev = indptr.to(dev, torch.int64, non_blocking=True)
     req = torch.searchsorted(indptr_dev, j, right=True) - 1
     pos = (j - indptr_dev[req]) * page_size
     idx = torch.div(req_to_token[rows.to(dev)[req], pos], page_size, rounding_mode="floor").to(torch.int32)
-    return indptr.to(torch.int32), idx, last
+    return indptr, idx, last
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -136,32 +143,30 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def init_forward(self, batch: ForwardBatch) -> None:
         seq, ext = batch.host_lens()
-        indptr, indices, last = page_table(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq,
-                                           self.kv_pool.page_size)
+        r2t, rows = self.req_to_token_pool.req_to_token, batch.req_pool_indices
+        ps, dt = self.kv_pool.page_size, self.kv_pool.dtype
         if batch.mode is ForwardMode.DECODE:
-            self.plan_decode(self.decode_wrapper, indptr, indices, last)
+            self.plan_decode(self.decode_wrapper, *page_table(r2t, rows, seq, ps))
             self._wrapper = self.decode_wrapper
             return
         qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32)
         torch.cumsum(ext.to(torch.int32), 0, out=qo_indptr[1:])
-        if self.extend_mode == "ragged":
-            dt = self.kv_pool.dtype
+        ragged = self.extend_mode == "ragged"
+        if ragged:  # new tokens from q/k/v; the paged wrapper reads the cached prefix only, if any
             self.ragged_wrapper.plan(qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim,
                                      causal=True, sm_scale=self.scale, q_data_type=dt, kv_data_type=dt)
-            pre = seq - ext
-            self._with_prefix = bool((pre > 0).any())
-            if self._with_prefix:
-                indptr, indices, last = page_table(self.req_to_token_pool.req_to_token, batch.req_pool_indices,
-                                                   pre, self.kv_pool.page_size)
-                self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads,
-                                          self.head_dim, self.kv_pool.page_size, causal=False,
-                                          sm_scale=self.scale, q_data_type=dt, kv_data_type=dt)
             self._wrapper = self.ragged_wrapper
-            return
+            kv_lens = seq - ext
+            self._with_prefix = bool((kv_lens > 0).any())
+            if not self._with_prefix:
+                return
+        else:  # the paged wrapper reads the whole row, causal over the new tokens
+            self._wrapper = self.prefill_wrapper
+            kv_lens = seq
+        indptr, indices, last = page_table(r2t, rows, kv_lens, ps)
         self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads,
-                                  self.head_dim, self.kv_pool.page_size, causal=True, sm_scale=self.scale,
-                                  q_data_type=self.kv_pool.dtype, kv_data_type=self.kv_pool.dtype)
-        self._wrapper = self.prefill_wrapper
+                                  self.head_dim, ps, causal=not ragged, sm_scale=self.scale,
+                                  q_data_type=dt, kv_data_type=dt)
 
     def set_wrapper(self, wrapper) -> None:
         """Use an already planned wrapper for the next forward (the cuda-graph runner's)."""
