@@ -480,19 +480,20 @@ class DecodeScheduler:
         are freed only after the step that writes their last slot has completed (``_free_after_step``).
         """
         prev = self._take_inflight()
+        in_prev = prev.pos if prev is not None else {}  # id(job) -> index of its token in flight
         launch = []
         for j in jobs:
-            if prev is not None and id(j) in prev.pos:
+            if id(j) in in_prev:
                 n_out = len(j.output_ids) + 1  # the in-flight token included
                 if n_out >= j.params.max_tokens or len(j.ids) + n_out >= self.runner.max_context:
                     continue
             launch.append(j)
         if launch:
             dev = self.runner.device
-            last = [0 if prev is not None and id(j) in prev.pos else j.output_ids[-1] for j in launch]
+            last = [0 if id(j) in in_prev else j.output_ids[-1] for j in launch]
             batch = ForwardBatch.decode([j.row for j in launch], [j.kv_len for j in launch], last,
                                         self.r2t.req_to_token)
-            fed = [(k, prev.pos[id(j)]) for k, j in enumerate(launch) if prev is not None and id(j) in prev.pos]
+            fed = [(k, in_prev[id(j)]) for k, j in enumerate(launch) if id(j) in in_prev]
             if fed:
                 idx = torch.tensor(fed, dtype=torch.int64).to(dev, non_blocking=True)
                 batch.input_ids[idx[:, 0]] = prev.tokens_dev[idx[:, 1]]
@@ -524,9 +525,8 @@ class DecodeScheduler:
         toks = step.tokens_host.tolist()
         live = [(job, tok) for job, tok in zip(step.jobs, toks) if job.state is JobState.RUNNING]
         M.DECODE_GENERATED_TOKENS.inc(len(live))  # the others were aborted or failed in flight
-        for job, tok in live:
-            if job.state is JobState.RUNNING:
-                self._emit(job, tok, None)
+        for job, tok in live:  # emitting one job's token never ends another job
+            self._emit(job, tok, None)
         busy = self._inflight.pos if self._inflight is not None else {}
         keep = []
         for job, quarantine in self._free_after_step:
