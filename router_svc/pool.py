@@ -94,18 +94,15 @@ class WorkerPool:
     def healthy_count(self, role: str) -> int:
         return sum(1 for w in self.by_role(role) if w.available)
 
-    def pick(self, role: str, policy: Policy, input_ids: list[int], exclude: set[str] = frozenset()) -> Worker:
-        """Pick a worker of ``role`` with ``policy``, avoiding ``exclude`` when another is available.
+    @staticmethod
+    def _pick(policy: Policy, workers: list[Worker], input_ids: list[int], exclude: set[str]) -> Worker:
+        """``policy``'s pick among ``workers``, avoiding ``exclude`` when another is available.
 
         Raises:
-            NoWorkerError: no available worker of that role.
+            NoWorkerError: none of ``workers`` is available.
         """
-        workers = self.by_role(role)
         preferred = [w for w in workers if w.worker_id not in exclude and w.available]
-        try:
-            return policy.pick(preferred if preferred else workers, input_ids)
-        except NoWorkerError:  # say which role is missing (a client sees this in its 503)
-            raise NoWorkerError(f"no healthy {role} worker ({len(workers)} registered)") from None
+        return policy.pick(preferred or workers, input_ids)
 
     def pick_pair(self, prefill_policy: Policy, decode_policy: Policy, input_ids: list[int],
                   exclude: set[str] = frozenset()) -> tuple[Worker, Worker]:
@@ -120,10 +117,9 @@ class WorkerPool:
         decodes = self.by_role(DECODE)
         skipped: list[Worker] = []
         while True:
-            prefills = [w for w in self.by_role(PREFILL) if w not in skipped]
-            preferred = [w for w in prefills if w.worker_id not in exclude and w.available]
             try:
-                p = prefill_policy.pick(preferred or prefills, input_ids)
+                p = self._pick(prefill_policy, [w for w in self.by_role(PREFILL) if w not in skipped],
+                               input_ids, exclude)
             except NoWorkerError:
                 if skipped:
                     d0 = next(w for w in decodes if w.kv_signature is not None)
@@ -136,9 +132,8 @@ class WorkerPool:
                 break
             p.dispatched_since_report -= 1  # not sent there after all
             skipped.append(p)
-        preferred = [w for w in matching if w.worker_id not in exclude and w.available]
         try:
-            return p, decode_policy.pick(preferred or matching, input_ids)
+            return p, self._pick(decode_policy, matching, input_ids, exclude)
         except NoWorkerError:
             raise NoWorkerError(f"no healthy decode worker ({len(decodes)} registered)") from None
 
