@@ -43,6 +43,22 @@ def router_stub(stack: Stack):
     return ch, router_pb2_grpc.RouterStub(ch)
 
 
+@pytest.fixture(scope="module")
+def stub(stack):
+    """Router gRPC stub of the module's ``stack`` fixture."""
+    ch, s = router_stub(stack)
+    yield s
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    """The real ``openai`` client on the module's ``stack`` router (no client-side retries)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{stack.endpoints['router']['http']}/v1", api_key="unused", max_retries=0)
+
+
 def worker_targets(stack: Stack, alive_only: bool = True) -> list[tuple[str, str]]:
     """(service, address) of every worker, for assert_idle_accounting."""
     out = []

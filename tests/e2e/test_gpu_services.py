@@ -230,22 +230,6 @@ def stack(setup, cases, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stub(stack):
-    from tests.e2e.conftest import router_stub
-
-    ch, s = router_stub(stack)
-    yield s
-    ch.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    import openai
-
-    return openai.OpenAI(base_url=f"http://{stack.endpoints['router']['http']}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def served_model(stub) -> str:
     from protos import router_pb2
 

@@ -5,7 +5,6 @@ everything on P and D (KV accounting invariant); validation; cached tokens; rout
 
 from __future__ import annotations
 
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ import openai
 import pytest
 
 from protos import common_pb2, router_pb2
-from tests.e2e.conftest import reference_ids, router_stub, running_stack, worker_targets
+from tests.e2e.conftest import reference_ids, running_stack, worker_targets
 from tests.integration.conftest import MODEL, assert_idle_accounting
 
 MAX_TOKENS = 8
@@ -32,18 +31,6 @@ LONG_SYSTEM = ("You are a careful assistant for a small museum of maritime histo
 def stack(tmp_path_factory):
     with running_stack(tmp_path_factory.mktemp("e2e-1p1d"), prefill=1, decode=1) as st:
         yield st
-
-
-@pytest.fixture(scope="module")
-def stub(stack):
-    ch, s = router_stub(stack)
-    yield s
-    ch.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"http://{stack.endpoints['router']['http']}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

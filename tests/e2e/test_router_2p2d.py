@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from protos import common_pb2, router_pb2
-from tests.e2e.conftest import reference_ids, router_stub, running_stack, worker_targets
+from tests.e2e.conftest import reference_ids, running_stack, worker_targets
 from tests.integration.conftest import assert_idle_accounting, get_load
 
 MAX_TOKENS = 8
@@ -32,12 +32,19 @@ def stack(tmp_path_factory):
         yield st
 
 
-@pytest.fixture(scope="module")
-def stub(stack):
-    ch, s = router_stub(stack)
-    yield s
-    ch.close()
 
+def run_while_killed(stub, proc, input_ids):
+    """``run(stub, input_ids)`` while ``proc`` is frozen (SIGSTOP: the router still sees it healthy until
+    its health check times out) and then, 0.8 s in, killed; returns run's ``(ids, last)``."""
+    os.kill(proc.popen.pid, signal.SIGSTOP)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=run(stub, input_ids)))
+    t.start()
+    time.sleep(0.8)
+    os.kill(proc.popen.pid, signal.SIGKILL)
+    proc.popen.wait(10)
+    t.join(120)
+    return result["out"]
 
 def greedy(max_tokens=MAX_TOKENS, **kw):
     return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
@@ -93,15 +100,7 @@ def test_decode_worker_killed(stack, stub, tok):
 
     # (2) a request that reaches the victim but will never get its first token from it
     # frozen: the router still sees it healthy for ~2 s (its health check has to time out first)
-    os.kill(proc.popen.pid, signal.SIGSTOP)
-    result = {}
-    t = threading.Thread(target=lambda: result.update(out=run(stub, follow_ids)))
-    t.start()
-    time.sleep(0.8)
-    os.kill(proc.popen.pid, signal.SIGKILL)
-    proc.popen.wait(10)
-    t.join(120)
-    ids, last = result["out"]
+    ids, last = run_while_killed(stub, proc, follow_ids)
     assert ids == ref                                 # retried on the other pair, same greedy tokens
     assert last.decode_worker == survivor and last.usage.retries == 1
 
@@ -132,15 +131,7 @@ def test_prefill_worker_killed_before_first_token(stack, stub, tok):
     victim = warm.prefill_worker
     survivor = ({"prefill-0", "prefill-1"} - {victim}).pop()
     proc = next(p for p in stack.procs if p.name == victim)
-    os.kill(proc.popen.pid, signal.SIGSTOP)
-    result = {}
-    t = threading.Thread(target=lambda: result.update(out=run(stub, follow_ids)))
-    t.start()
-    time.sleep(0.8)
-    os.kill(proc.popen.pid, signal.SIGKILL)
-    proc.popen.wait(10)
-    t.join(120)
-    ids, last = result["out"]
+    ids, last = run_while_killed(stub, proc, follow_ids)
     assert ids == ref
     assert last.prefill_worker == survivor and last.usage.retries == 1
     for i in range(2):

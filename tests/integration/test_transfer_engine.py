@@ -66,6 +66,24 @@ def _buffer(nbytes: int, seed: int | None = None) -> np.ndarray:
     return buf
 
 
+def run_in_threads(fn, n: int) -> None:
+    """Call ``fn(k)`` for k in 0..n-1, each in its own thread; fail (listing them) if any of them raised."""
+    errors = []
+
+    def guarded(k: int) -> None:
+        try:
+            fn(k)
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 def test_scattered_writes_into_permuted_layout(tl, peers, engine_factory):
     """512 scattered 128 KiB writes, source chunks and destination slots both permuted, byte-exact."""
     eng = engine_factory("writer", tl)
@@ -287,24 +305,14 @@ def test_concurrent_submitters(tl, peers, engine_factory):
     eng.register_memory(src.ctypes.data, src.nbytes)
     peer = peers("target", tl, size=16 * MiB)
     seg = eng.open_segment(peer.descriptor)
-    errors = []
-
     def worker(k: int) -> None:
-        try:
-            for j in range(8):
-                i = k * 8 + j
-                d = [(src.ctypes.data + i * 256 * 1024, peer.base + i * 256 * 1024, 256 * 1024)]
-                st = eng.wait(eng.submit(seg, d))
-                assert st.state is State.COMPLETED, st
-        except Exception as e:  # noqa: BLE001 - collected and asserted below
-            errors.append(e)
+        for j in range(8):
+            i = k * 8 + j
+            d = [(src.ctypes.data + i * 256 * 1024, peer.base + i * 256 * 1024, 256 * 1024)]
+            st = eng.wait(eng.submit(seg, d))
+            assert st.state is State.COMPLETED, st
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(worker, 8)
     assert peer.sha256(0, 16 * MiB) == hashlib.sha256(src.tobytes()).hexdigest()
 
 
@@ -318,25 +326,17 @@ def test_concurrent_opens_share_one_endpoint(tl, engine_factory):
     buf = _buffer(MiB)
     receiver.register_memory(buf.ctypes.data, buf.nbytes)
     desc = receiver.publish()
-    segs, errors = [], []
+    segs = []
     barrier = threading.Barrier(6)
 
     def opener(k: int) -> None:
-        try:
-            barrier.wait()
-            seg = sender.open_segment(desc)
-            segs.append(seg)
-            st = sender.wait(sender.send_notify(seg, f"n{k}".encode()))
-            assert st.state is State.COMPLETED, st
-        except Exception as e:  # noqa: BLE001 - collected and asserted below
-            errors.append(e)
+        barrier.wait()
+        seg = sender.open_segment(desc)
+        segs.append(seg)
+        st = sender.wait(sender.send_notify(seg, f"n{k}".encode()))
+        assert st.state is State.COMPLETED, st
 
-    threads = [threading.Thread(target=opener, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(opener, 6)
     assert len({id(s) for s in segs}) == 1
     got, deadline = [], time.monotonic() + 30.0
     while len(got) < 6 and time.monotonic() < deadline:
