@@ -7,7 +7,7 @@ one of those keys), the OpenAI URL the first of ``openai_url`` / ``openai`` / ``
 or inside the ``router`` entry), and metrics
 URLs are every string found under a key containing ``metrics`` anywhere in the document (of the
 prefill and decode workers; the router's and registry's are kept too — their counters never
-overlap the KV metrics, see :mod:`halfmoon.metrics`).
+overlap the KV metrics, see :mod:`telemetry.metrics`).
 """
 
 from __future__ import annotations

@@ -157,9 +157,9 @@ def backend_vs_torch(page_size: int = 16, seed: int = 0, extend_mode: str = "rag
     from engine.attention.flashinfer_backend import FlashInferAttentionBackend
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.forward_batch import ForwardBatch, ForwardMode
-    from engine.kv_pool import KVPool
-    from engine.page_allocator import PageAllocator
-    from engine.req_to_token_pool import ReqToTokenPool
+    from engine.kvcache.kv_pool import KVPool
+    from engine.kvcache.page_allocator import PageAllocator
+    from engine.kvcache.req_to_token_pool import ReqToTokenPool
 
     H, KVH, D, dev, dt = 32, 8, 128, "cuda", torch.bfloat16
     torch.manual_seed(seed)

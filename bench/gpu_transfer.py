@@ -72,7 +72,7 @@ def _engine(name: str, transports, busy_poll: bool = False):
 def _target(conn, transports, staging_bytes: int) -> None:
     dev = devices()[1]
     torch.cuda.set_device(dev)
-    from engine.kv_pool import KVPool
+    from engine.kvcache.kv_pool import KVPool
 
     pool = KVPool(POOL_PAGES, PS, L, KVH, D, torch.bfloat16, dev, layout="layer_major")
     bufs = pool.buffers()
@@ -122,7 +122,7 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 
 def transfer(args) -> dict:
     src_dev, dst_dev = devices()
-    from engine.kv_pool import KVPool
+    from engine.kvcache.kv_pool import KVPool
     from protos import registry_pb2
     from transfer_svc.engine import State
 

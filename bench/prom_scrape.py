@@ -2,7 +2,7 @@
 
 Counters (``*_total``) and histogram/summary ``_sum``/``_count`` samples are monotonic, so
 ``after - before`` is what the run did (with no other traffic on the stack). The KV figures come
-from the halfmoon metric catalog (:mod:`halfmoon.metrics`): every quantity is counted by exactly one
+from the halfmoon metric catalog (:mod:`telemetry.metrics`): every quantity is counted by exactly one
 service, so summing a name over all scraped targets never double-counts.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# Catalog names (halfmoon/metrics.py) summarised per run.
+# Catalog names (telemetry/metrics.py) summarised per run.
 KV_METRICS = {
     "kv_pages_transferred": "halfmoon_transfer_pages_total",
     "kv_bytes_transferred": "halfmoon_transfer_bytes_total",

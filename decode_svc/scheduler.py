@@ -37,10 +37,10 @@ import torch
 
 from decode_svc.prebuilt import delta_pages, prebuilt_out_cache_loc
 from engine.forward_batch import ForwardBatch
-from engine.radix_cache import RadixCache
+from engine.kvcache.radix_cache import RadixCache
 from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
-from halfmoon import metrics as M
+from telemetry import metrics as M
 from pd_common.protocol import ServiceError, drain_jobs, page_checksums, token_logprob
 from pd_common.worker_runtime import bind_cuda_device
 from protos import common_pb2, decode_pb2, prefill_pb2

@@ -3,27 +3,26 @@
 Files (one concept each):
   config.py              ModelConfig (from HF config.json / engine/configs/<shape>.json), EngineConfig
   errors.py              InvalidRequestError(field), ResourceExhaustedError
-  page_allocator.py      PageAllocator: free list of KV pages; alloc_slots(cur_len, new_len, last_slot)
-  req_to_token_pool.py   ReqToTokenPool: rows x max_context -> slot (int64)
-  kv_pool.py             KVPool: per-layer K/V views k_pages(l)/v_pages(l) [num_pages, page_size, kv_heads,
-                         head_dim]; layout page_major (default: one region [pages, layers, 2, ...], a page
-                         run = one byte range) or layer_major; buffers() (what to register), page_bytes,
-                         page_stride_bytes; write(layer, slots, k, v), read(layer, slots)
+  kvcache/               KV memory: page_allocator.py (PageAllocator: free list of pages; alloc_slots(cur_len,
+                         new_len, last_slot)), req_to_token_pool.py (ReqToTokenPool: rows x max_context ->
+                         slot, int64), kv_pool.py (KVPool: per-layer K/V views k_pages(l)/v_pages(l)
+                         [num_pages, page_size, kv_heads, head_dim]; layout page_major (default: one region
+                         [pages, layers, 2, ...], a page run = one byte range) or layer_major; buffers(),
+                         page_bytes, page_stride_bytes), radix_cache.py (page-aligned radix tree, lock refs,
+                         LRU eviction), page_hash.py (its chained page keys)
   forward_batch.py       ForwardBatch (EXTEND | DECODE, packed ragged tokens, out_cache_loc)
   attention/             AttentionBackend interface (base.py), torch backend (torch_backend.py)
   models/llama.py        Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2); models/rotary.py
-  model_loader.py        HF safetensors or dummy weights for a named shape
+  models/model_loader.py HF safetensors or dummy weights for a named shape
   model_runner.py        ModelRunner: model + pools + allocator + backend; forward(batch) -> logits
   sampling_params.py     SamplingParams.validate(vocab_size, max_context, prompt_len)
   sampler.py             batch sampling (greedy, temperature, top-k/p, min-p, seed, penalties, logprobs)
   detokenizer.py         incremental detokenizer with stop strings (no split UTF-8 characters)
-  scheduler.py           continuous-batching scheduler (co-located), radix cache wiring
-  request.py             Req: one request's token/slot bookkeeping in the scheduler
+  scheduler/             scheduler.py: continuous-batching scheduler (co-located); request.py: Req
   engine.py              Engine: generate(...) and add_request/step streaming API, kv_stats()
   engine_args.py         command-line flags -> EngineConfig (shared by CLIs and workers)
   device.py              --device values (cpu | cuda | cuda:N), one-line error for an unusable CUDA device
-  radix_cache.py         page-aligned radix tree (issue 3, another owner); page_hash.py its page keys
-  attention/flashinfer_backend.py, fused_ops.py, cuda_graph_runner.py   GPU path (another owner)
+  attention/flashinfer_backend.py, fused_ops.py, cuda_graph_runner.py   GPU path
   model_store.py         local model cache (names -> HF directories)
 
 Seams the PD services use: ``ModelRunner`` (drive it directly with ``ForwardBatch.build`` and an

@@ -139,7 +139,7 @@ class EngineConfig:
     max_context: tokens per request row (default: the model's ``max_position_embeddings``).
     chunked_prefill_size: max prompt tokens per extend batch (a longer prompt is split).
     kv_layout: ``"page_major"`` (all layers' K/V of a page contiguous: a page run moves in one
-        transfer put) or ``"layer_major"`` (one buffer per layer per K/V); see engine/kv_pool.py.
+        transfer put) or ``"layer_major"`` (one buffer per layer per K/V); see engine/kvcache/kv_pool.py.
         Prefill and decode workers must use the same one.
     """
 
@@ -161,7 +161,7 @@ class EngineConfig:
     cuda_graph: bool = True  # capture decode batches in CUDA graphs (CUDA + flashinfer only)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default max_running_requests)
     fused_ops: bool = True  # fused qkv/gate_up GEMMs + flashinfer norm/rope/silu (CUDA bf16/fp16 only)
-    kv_layout: str = "page_major"  # KV pool memory layout: "page_major" | "layer_major" (engine/kv_pool.py)
+    kv_layout: str = "page_major"  # KV pool memory layout: "page_major" | "layer_major" (engine/kvcache/kv_pool.py)
 
     @property
     def torch_dtype(self) -> torch.dtype:

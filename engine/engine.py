@@ -30,10 +30,10 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Req
+from engine.scheduler.request import FinishReason, Req
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams, validate_prompt_ids
-from engine.scheduler import KVStats, Scheduler
+from engine.scheduler.scheduler import KVStats, Scheduler
 
 
 @dataclasses.dataclass

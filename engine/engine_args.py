@@ -7,7 +7,7 @@ import argparse
 
 from engine.config import EngineConfig
 from engine.device import check_device, device_spec
-from engine.kv_pool import KV_LAYOUTS
+from engine.kvcache.kv_pool import KV_LAYOUTS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

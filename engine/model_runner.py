@@ -23,11 +23,11 @@ import torch
 from engine.attention import create_backend, resolve_backend_name
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool, pages_for_budget
-from engine.model_loader import load_model
+from engine.kvcache.kv_pool import KVPool, pages_for_budget
+from engine.models.model_loader import load_model
 from engine.models.llama import LlamaForCausalLM
-from engine.page_allocator import PageAllocator
-from engine.req_to_token_pool import ReqToTokenPool
+from engine.kvcache.page_allocator import PageAllocator
+from engine.kvcache.req_to_token_pool import ReqToTokenPool
 
 
 class ModelRunner:

@@ -105,7 +105,7 @@ def token_logprob(token_id: int, logprob: float | None,
 
 
 def kv_layout(kv_pool, model: str) -> registry_pb2.KVLayout:
-    """The KVLayout of an ``engine.kv_pool.KVPool``, in the pool's own layout.
+    """The KVLayout of an ``engine.kvcache.kv_pool.KVPool``, in the pool's own layout.
 
     page_major: ``buffer_addrs`` = [the one region], ``page_stride_bytes`` = a whole page (every
     layer's K and V, ``2 * num_layers * page_bytes``); layer_major: ``buffer_addrs`` = [K_0, V_0, K_1,
@@ -127,7 +127,7 @@ def page_checksums(kv_pool, pages: Sequence[int]) -> list[int]:
     same K/V contents (a P and a D of different layouts could compare them).
 
     Args:
-        kv_pool: an ``engine.kv_pool.KVPool`` (CPU memory; CUDA pools are copied to the host).
+        kv_pool: an ``engine.kvcache.kv_pool.KVPool`` (CPU memory; CUDA pools are copied to the host).
         pages: physical page ids.
     Returns:
         One unsigned 32-bit int per page, in order.

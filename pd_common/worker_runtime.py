@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.device import check_device, device_spec
-from halfmoon import metrics as M
+from telemetry import metrics as M
 
 log = logging.getLogger("halfmoon.worker")
 

@@ -58,7 +58,7 @@ class PoolGeometry:
         ``buffer_addrs[b] + p * page_bytes`` (pages of one buffer are contiguous, so a run is one range).
     layout "page_major": one region; page p of buffer b starts at
         ``buffer_addrs[0] + p * page_stride_bytes + b * page_bytes``; when a page's buffers are
-        back to back (``page_stride_bytes == num_buffers * page_bytes``, as ``engine.kv_pool.KVPool``
+        back to back (``page_stride_bytes == num_buffers * page_bytes``, as ``engine.kvcache.kv_pool.KVPool``
         lays them out) a run is one range for all buffers at once.
     Units: addresses and ``*_bytes`` in bytes, ``num_pages`` in pages, ``page_size`` in tokens.
     ``dtype`` ("float32", "bfloat16", ...) and ``page_size`` are compared only when both sides set

@@ -38,10 +38,10 @@ import grpc
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.radix_cache import RadixCache
+from engine.kvcache.radix_cache import RadixCache
 from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
-from halfmoon import metrics as M
+from telemetry import metrics as M
 from prefill_svc.destinations import DestinationBook
 from prefill_svc.kv_runs import PoolGeometry, descriptors, merge_runs
 from pd_common.protocol import ServiceError, drain_jobs, kv_layout, page_checksums, token_logprob

@@ -14,5 +14,5 @@ Files (one concept each):
   pool.py           WorkerPool: static list or registry WatchWorkers; health checks and GetLoad polling
   worker.py         Worker: router-side state of one worker (stub, health, load)
   policies.py       round_robin, least_load, power_of_two, cache_aware (one per role)
-  prefix_index.py   page-aligned prefix index per worker for cache_aware (engine.page_hash keys)
+  prefix_index.py   page-aligned prefix index per worker for cache_aware (engine.kvcache.page_hash keys)
 """

@@ -27,7 +27,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from halfmoon import metrics as M
+from telemetry import metrics as M
 from protos import common_pb2, decode_pb2, prefill_pb2, router_pb2
 from router_svc.detokenizer import StreamDetokenizer
 from router_svc.errors import RouterError

@@ -26,7 +26,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from engine.model_store import DEFAULT_MODEL, resolve_model
-from halfmoon.metrics import start_metrics_server, stop_metrics_servers
+from telemetry.metrics import start_metrics_server, stop_metrics_servers
 from protos import router_pb2, router_pb2_grpc
 from router_svc.dispatch import Dispatcher
 from router_svc.grpc_service import RouterServicer

@@ -5,18 +5,18 @@ A prompt is cut into full pages of ``page_size`` tokens; page ``i``'s key is a c
 recently used keys (LRU, at most ``max_pages``) and answers "how many leading tokens of this prompt
 did this worker see recently", in whole pages. Same page alignment as the workers' radix caches,
 which match only whole pages. Design after SMG's gRPC ``TokenTree`` (block_size 16, LRU eviction);
-keys are ``engine.page_hash`` chained blake2b hashes, never Python's salted ``hash()`` (DESIGN.md §4).
+keys are ``engine.kvcache.page_hash`` chained blake2b hashes, never Python's salted ``hash()`` (DESIGN.md §4).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.page_hash import page_hashes
+from engine.kvcache.page_hash import page_hashes
 
 
 def page_keys(token_ids: list[int], page_size: int) -> list[int]:
-    """Chained 64-bit keys of the full pages of ``token_ids`` (``engine.page_hash.page_hashes``:
+    """Chained 64-bit keys of the full pages of ``token_ids`` (``engine.kvcache.page_hash.page_hashes``:
     the same keys the workers' radix caches use). A trailing partial page gets no key."""
     return page_hashes(token_ids, page_size)
 

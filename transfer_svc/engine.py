@@ -37,7 +37,7 @@ on an idle 16-core host, 1.97 vs 0.17 GB/s on the loaded 2-core box (bench/resul
 into a process that died report success, so for an owner on the same host (descriptor host_id) a
 batch counts as COMPLETED only if the owner's pid (with its start time) is still alive afterwards.
 
-Metrics (halfmoon/metrics.py, sender side, WRITE batches only): halfmoon_transfer_bytes_total,
+Metrics (telemetry/metrics.py, sender side, WRITE batches only): halfmoon_transfer_bytes_total,
 halfmoon_transfer_batch_seconds (submit -> remote completion), halfmoon_transfer_failures_total
 {reason}. halfmoon_transfer_pages_total is counted by the caller (it knows what a page is).
 """
@@ -58,7 +58,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from halfmoon import metrics
+from telemetry import metrics
 from protos import registry_pb2
 from transfer_svc import ucp
 from transfer_svc.digest import descriptor_digest
@@ -527,7 +527,7 @@ class TransferEngine:
                 return
         if state is State.COMPLETED:
             b.done = b.total
-        if b.kind == "write":  # counted on the sender (halfmoon/metrics.py, transfer group)
+        if b.kind == "write":  # counted on the sender (telemetry/metrics.py, transfer group)
             if state is State.COMPLETED:
                 metrics.TRANSFER_BYTES.inc(b.total)
                 metrics.TRANSFER_BATCH_SECONDS.observe(time.monotonic() - b.started)

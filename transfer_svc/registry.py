@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from halfmoon import metrics
+from telemetry import metrics
 from protos import registry_pb2, registry_pb2_grpc
 from transfer_svc.digest import descriptor_digest
 

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from halfmoon import metrics
+from telemetry import metrics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ Run ``python deploy/grafana/build_dashboard.py`` after editing; tests fail when 
 and this script disagree. Every expression is plain PromQL without Grafana variables (the
 datasource is a dashboard variable), so tests can send each one to a live Prometheus unchanged.
 Recording rules (``halfmoon:*``) come from deploy/prometheus/rules.yaml; raw metrics from
-halfmoon/metrics.py.
+telemetry/metrics.py.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import abc
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
-from engine.req_to_token_pool import ReqToTokenPool
+from engine.kvcache.kv_pool import KVPool
+from engine.kvcache.req_to_token_pool import ReqToTokenPool
 
 
 class AttentionBackend(abc.ABC):

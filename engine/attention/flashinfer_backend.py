@@ -3,7 +3,7 @@
 The pool's per-layer buffers ``[num_pages * page_size, kv_heads, head_dim]`` are viewed, without a
 copy, as flashinfer's NHD paged layout ``[num_pages, page_size, kv_heads, head_dim]``; a request's
 page table is its ``req_to_token`` row read every ``page_size`` positions (slot // page_size), which is
-valid because the allocator hands out whole pages filled in order (engine/page_allocator.py).
+valid because the allocator hands out whole pages filled in order (engine/kvcache/page_allocator.py).
 
 * EXTEND, ``extend_mode="ragged"`` (default): the new tokens attend to each other straight from the
   q/k/v tensors (``BatchPrefillWithRaggedKVCacheWrapper``, causal; flashinfer picks its FA3 kernels on

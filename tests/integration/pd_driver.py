@@ -184,15 +184,15 @@ class PDCall:
 def colocated_generate(prompts, max_tokens: int, *, page_size: int = 16, model: str | None = None,
                        num_pages: int = 2048, chunked_prefill_size: int = 2048,
                        first_alone: bool = False) -> list[list[int]]:
-    """Greedy output ids of the co-located engine (engine.scheduler.Scheduler), all prompts batched
+    """Greedy output ids of the co-located engine (engine.scheduler.scheduler.Scheduler), all prompts batched
     (with ``first_alone``, the first prompt runs to completion first, so its prefix is cached)."""
     import torch
 
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
-    from engine.request import Req
+    from engine.scheduler.request import Req
     from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler
+    from engine.scheduler.scheduler import Scheduler
 
     torch.set_num_threads(1)
     cfg = EngineConfig(model=model or "smollm2-135m-instruct", page_size=page_size,

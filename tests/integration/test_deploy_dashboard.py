@@ -4,7 +4,7 @@
 - `tsc --strict` accepts it as @grafana/schema's Dashboard, each panel's options as its plugin's
   Options and each target as a Prometheus query (deploy/grafana/dashboard_types.ts; tools/node);
 - every expression parses (promtool, as recording rules) and names only metrics of the catalog
-  (halfmoon/metrics.py) or recording rules of deploy/prometheus/rules.yaml; every catalog metric is
+  (telemetry/metrics.py) or recording rules of deploy/prometheus/rules.yaml; every catalog metric is
   on the dashboard. That expressions return series from a live stack: test_prometheus_live.py.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from halfmoon import metrics
+from telemetry import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"

@@ -1,4 +1,4 @@
-"""The metric catalog (halfmoon/metrics.py) as Prometheus sees it: naming lint, one owner per metric.
+"""The metric catalog (telemetry/metrics.py) as Prometheus sees it: naming lint, one owner per metric.
 
 Each role's /metrics endpoint is served by start_metrics_server on a free loopback port, fetched
 over HTTP and linted with `promtool check metrics` (Prometheus naming conventions).
@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from halfmoon import metrics
+from telemetry import metrics
 
 
 @pytest.fixture()

@@ -126,10 +126,10 @@ def test_seeded_sampling_continues_the_same_random_stream(drv, ids):
 
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
-    from engine.request import Req
+    from engine.scheduler.request import Req
     from engine.sampler import make_generator
     from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler
+    from engine.scheduler.scheduler import Scheduler
 
     r = drv.generate(ids, params=sampling(8, temperature=1.3, seed=1234))
     assert r.ok, r

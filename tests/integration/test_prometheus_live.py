@@ -216,7 +216,7 @@ def test_every_dashboard_query_returns_series(stack, prometheus):
 
 def test_live_expositions_lint_clean(stack):
     """The real services' /metrics pass `promtool check metrics` and export only their own groups."""
-    from halfmoon import metrics
+    from telemetry import metrics
 
     promtool = shutil.which("promtool") or pytest.fail("promtool missing: run `make tools`")
     addrs = {"router": stack["router"]["metrics"], "registry": stack["registry"]["metrics"],

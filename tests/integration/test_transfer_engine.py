@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from halfmoon import metrics
+from telemetry import metrics
 from transfer_svc.engine import (BoundsError, DescriptorError, Op, SegmentClosed, State,
                                  TransferEngine)
 from transfer_svc.peer import PeerProcess, fill_bytes

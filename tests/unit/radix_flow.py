@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.radix_cache import RadixCache, TreeNode
+from engine.kvcache.radix_cache import RadixCache, TreeNode
 
 
 class TestAllocator:

@@ -5,7 +5,7 @@ import socket
 import pytest
 
 from bench import prom_scrape
-from halfmoon import metrics
+from telemetry import metrics
 
 
 def test_parse_keeps_counters_and_histogram_series_and_drops_gauges():

@@ -9,7 +9,7 @@ import torch
 from engine.config import ModelConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.model_loader import build_model
+from engine.models.model_loader import build_model
 from engine.sampling_params import SamplingParams
 
 # published sizes (parameters, tied embeddings counted once)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.req_to_token_pool import ReqToTokenPool
+from engine.kvcache.req_to_token_pool import ReqToTokenPool
 
 
 def test_decode_batch_equals_build():

@@ -12,8 +12,8 @@ import torch
 
 from engine.attention import create_backend, resolve_backend_name
 from engine.attention.flashinfer_backend import page_table
-from engine.kv_pool import KVPool
-from engine.req_to_token_pool import ReqToTokenPool
+from engine.kvcache.kv_pool import KVPool
+from engine.kvcache.req_to_token_pool import ReqToTokenPool
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 
-from engine.kv_pool import KVPool
+from engine.kvcache.kv_pool import KVPool
 from pd_common.protocol import kv_layout, page_checksums
 from prefill_svc.kv_runs import PoolGeometry, descriptors, merge_runs
 

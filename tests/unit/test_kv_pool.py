@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import parse_bytes
-from engine.kv_pool import KVPool, pages_for_budget
-from engine.page_allocator import PageAllocator
-from engine.req_to_token_pool import ReqToTokenPool
+from engine.kvcache.kv_pool import KVPool, pages_for_budget
+from engine.kvcache.page_allocator import PageAllocator
+from engine.kvcache.req_to_token_pool import ReqToTokenPool
 
 
 @settings(max_examples=60, deadline=None)
@@ -173,7 +173,7 @@ def test_pages_for_budget():
 
 def test_freed_pages_come_back_as_ascending_runs():
     """Pages freed together are handed out again in ascending order (few, large transfer runs)."""
-    from engine.page_allocator import PageAllocator
+    from engine.kvcache.page_allocator import PageAllocator
 
     alloc = PageAllocator(num_pages=32, page_size=4)
     first = alloc.alloc(32)

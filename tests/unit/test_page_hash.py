@@ -1,4 +1,4 @@
-"""engine.page_hash: chained page keys, identical across processes and PYTHONHASHSEED values."""
+"""engine.kvcache.page_hash: chained page keys, identical across processes and PYTHONHASHSEED values."""
 
 import hashlib
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.page_hash import ROOT_HASH, page_hash, page_hashes
+from engine.kvcache.page_hash import ROOT_HASH, page_hash, page_hashes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,8 +50,8 @@ def test_bad_input_raises(bad):
 
 _CHILD = """
 import json, torch
-from engine.page_hash import page_hashes
-from engine.radix_cache import RadixCache
+from engine.kvcache.page_hash import page_hashes
+from engine.kvcache.radix_cache import RadixCache
 toks = list(range(1000, 1037)) + [5] * 11
 tree = RadixCache(4, lambda p: None, enable_events=True)
 tree.insert(toks, torch.arange(len(toks), dtype=torch.int64) + 64)

@@ -1,10 +1,10 @@
-"""engine.radix_cache: page alignment, multi-turn, locks, LRU eviction, events, accounting."""
+"""engine.kvcache.radix_cache: page alignment, multi-turn, locks, LRU eviction, events, accounting."""
 
 import pytest
 import torch
 
-from engine.page_hash import page_hashes
-from engine.radix_cache import RadixCache
+from engine.kvcache.page_hash import page_hashes
+from engine.kvcache.radix_cache import RadixCache
 from tests.unit.radix_flow import Flow, TestAllocator
 
 
@@ -239,8 +239,8 @@ def pages_of_row(row, ps):
 def test_insert_finished_returns_the_own_pages_the_tree_took():
     """A second request sharing 2 of its 3 full pages: the tree keeps only its third page; the
     duplicate and the partial tail stay the caller's to free."""
-    from engine.page_allocator import PageAllocator
-    from engine.radix_cache import RadixCache
+    from engine.kvcache.page_allocator import PageAllocator
+    from engine.kvcache.radix_cache import RadixCache
 
     ps = 4
     alloc = PageAllocator(num_pages=16, page_size=ps)

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.page_allocator import PageAllocator
-from engine.radix_cache import RadixCache
+from engine.kvcache.page_allocator import PageAllocator
+from engine.kvcache.radix_cache import RadixCache
 
 BASE = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
 

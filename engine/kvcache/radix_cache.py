@@ -16,7 +16,7 @@ Accounting invariant the caller keeps (``check_invariants`` verifies it when giv
 
     free pages + evictable_size() + protected_size() + pages owned by running requests = num_pages
 
-Usage (one request; ``alloc`` is ``engine.page_allocator.PageAllocator``, ``r2t`` the
+Usage (one request; ``alloc`` is ``engine.kvcache.page_allocator.PageAllocator``, ``r2t`` the
 ``ReqToTokenPool``, ``cache = RadixCache(page_size, alloc)``; evicted pages go to ``alloc.free``)::
 
     # 1. match + lock. A local prefill keeps >= 1 token to compute (it needs the last logits);
@@ -51,7 +51,7 @@ committed tokens and free the duplicates [pre_len, n_dup) as in 5, then
 write ``new_slots`` into ``req_to_token[row, :len(new_slots)]`` (it replaces the freed duplicates),
 and continue with ``pre_len = len(new_slots)``; the request owns only its pages from there on.
 
-Events: with ``enable_events=True`` each page also carries the chained ``engine.page_hash`` key of
+Events: with ``enable_events=True`` each page also carries the chained ``engine.kvcache.page_hash`` key of
 its prefix (stable across processes and restarts; the tree's own lookups compare token ids and
 never hash), and the tree records ``CacheEvent``s (inserted / evicted page ranges with their
 hashes) for KV-aware routing, read with ``drain_events()``. Without it no hashing is done.
@@ -66,7 +66,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from engine.page_hash import ROOT_HASH, page_hash
+from engine.kvcache.page_hash import ROOT_HASH, page_hash
 
 
 class PageFreer(Protocol):
@@ -78,7 +78,7 @@ class CacheEvent:
     """Pages that entered or left the tree.
 
     kind: ``"insert"`` or ``"evict"``.
-    page_hashes: chained page hashes (``engine.page_hash``), one per page, in sequence order.
+    page_hashes: chained page hashes (``engine.kvcache.page_hash``), one per page, in sequence order.
     parent_hash: hash of the page before the first one (``seed`` at position 0).
     token_start, token_end: the token positions [start, end) those pages cover (multiples of
         page_size) in any sequence with this prefix.
@@ -135,7 +135,7 @@ class RadixCache:
             or a callable taking ``page_ids``; page_ids is a 1-D int64 tensor.
         enable_events: keep page hashes and record ``CacheEvent``s for ``drain_events()`` (costs
             one blake2b per inserted page; drain regularly, the list grows until drained).
-        seed: page-hash seed (``engine.page_hash.ROOT_HASH`` by default).
+        seed: page-hash seed (``engine.kvcache.page_hash.ROOT_HASH`` by default).
     Not thread-safe: call it from the scheduler thread only.
     """
 

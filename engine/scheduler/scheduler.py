@@ -15,7 +15,7 @@ Each :meth:`Scheduler.step` runs one forward:
 
 A finished request inserts its committed tokens (prompt + outputs whose K/V exists; the last
 sampled token has none) into the radix cache, frees duplicate and tail pages, unlocks its prefix
-and frees its row (recipe of ``engine/radix_cache.py``). With ``disable_radix_cache`` it frees all.
+and frees its row (recipe of ``engine/kvcache/radix_cache.py``). With ``disable_radix_cache`` it frees all.
 Accounting invariant after every step: free + evictable + protected + owned pages == pool pages.
 """
 
@@ -30,8 +30,8 @@ from engine.config import EngineConfig
 from engine.errors import ResourceExhaustedError
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.model_runner import ModelRunner
-from engine.radix_cache import RadixCache
-from engine.request import FinishReason, Req
+from engine.kvcache.radix_cache import RadixCache
+from engine.scheduler.request import FinishReason, Req
 from engine.sampler import sample
 
 
