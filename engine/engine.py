@@ -129,7 +129,7 @@ class Engine:
         if rid in self._detok:
             raise InvalidRequestError("request_id", f"request id {rid!r} is already in use")
         gen = None if params.greedy else make_generator(params.seed, self.runner.device)
-        req = Req(rid=rid, prompt_ids=ids, params=params, generator=gen)
+        req = Req(request_id=rid, prompt_ids=ids, params=params, generator=gen)
         self.scheduler.add(req)  # may raise ResourceExhaustedError (nothing queued)
         self._detok[rid] = (IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
                             if self.tokenizer is not None else None)
@@ -151,9 +151,9 @@ class Engine:
         outs = []
         for res in self.scheduler.step():
             req = res.req
-            det = self._detok.get(req.rid)
+            det = self._detok.get(req.request_id)
             if req.error is not None:
-                self._detok.pop(req.rid, None)
+                self._detok.pop(req.request_id, None)
                 outs.append(self._output(req, [], "", None, None))
                 continue
             text = ""
@@ -165,7 +165,7 @@ class Engine:
             if req.finished:
                 if det is not None:
                     text += det.flush()
-                self._detok.pop(req.rid, None)
+                self._detok.pop(req.request_id, None)
             lp = [res.logprob] if res.logprob is not None else None
             tops = [res.top_logprobs] if res.top_logprobs is not None else None
             outs.append(self._output(req, [res.token_id], text, lp, tops))
@@ -173,7 +173,7 @@ class Engine:
 
     def _output(self, req: Req, toks, text, lp, tops) -> RequestOutput:
         return RequestOutput(
-            request_id=req.rid, token_ids=toks, text=text, finished=req.finished,
+            request_id=req.request_id, token_ids=toks, text=text, finished=req.finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens or 0, logprobs=lp, top_logprobs=tops, stop_str=req.stop_str,

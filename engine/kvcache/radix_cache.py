@@ -139,6 +139,8 @@ class RadixCache:
     Not thread-safe: call it from the scheduler thread only.
     """
 
+    enabled = True  # engine.kvcache.prefix_cache.PrefixCache; the null cache says False
+
     def __init__(self, page_size: int, free_pages: PageFreer | Callable[[torch.Tensor], None],
                  *, enable_events: bool = False, seed: int = ROOT_HASH):
         if page_size < 1:

@@ -1,9 +1,10 @@
 """Req: one request's state inside the co-located scheduler.
 
 Token bookkeeping: ``all_ids = prompt_ids + output_ids``; ``kv_len`` tokens of it have K/V in the
-pool; ``row``'s slots ``[0, alloc_len)`` are allocated (``kv_len <= alloc_len``); ``[0, pre_len)`` are
-the radix-cache prefix this request locked (``last_node``). The pending tokens ``all_ids[kv_len:]``
-are what the next forward computes (a prompt chunk, or the one last sampled token in decode).
+pool. While admitted, ``lease`` (``engine.kvcache.cache_manager.KVLease``) holds its row: slots
+``[0, lease.alloc_len)`` are allocated (``kv_len <= alloc_len``) and ``[0, lease.pre_len)`` are the
+radix-cache prefix it locked. The pending tokens ``all_ids[kv_len:]`` are what the next forward
+computes (a prompt chunk, or the one last sampled token in decode).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import enum
 
 import torch
 
+from engine.kvcache.cache_manager import KVLease
 from engine.sampling_params import SamplingParams
 
 
@@ -24,16 +26,13 @@ class FinishReason(str, enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class Req:
-    rid: str
+    request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
     output_ids: list[int] = dataclasses.field(default_factory=list)
-    row: int | None = None
+    lease: KVLease | None = None
     kv_len: int = 0
-    alloc_len: int = 0
-    pre_len: int = 0
-    last_node: object | None = None
     cached_tokens: int | None = None  # prompt tokens served from the radix cache (first admission)
     finish_reason: FinishReason | None = None
     stop_str: str | None = None

@@ -30,6 +30,8 @@ from engine.config import EngineConfig
 from engine.errors import ResourceExhaustedError
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.model_runner import ModelRunner
+from engine.kvcache.cache_manager import CacheManager
+from engine.kvcache.prefix_cache import NullPrefixCache
 from engine.kvcache.radix_cache import RadixCache
 from engine.scheduler.request import FinishReason, Req
 from engine.sampler import sample
@@ -66,7 +68,8 @@ class Scheduler:
         self.alloc = runner.allocator
         self.r2t = runner.req_to_token_pool
         self.ps = runner.page_size
-        self.cache = None if config.disable_radix_cache else RadixCache(self.ps, self.alloc)
+        self.cache = NullPrefixCache() if config.disable_radix_cache else RadixCache(self.ps, self.alloc)
+        self.kv = CacheManager(self.alloc, self.r2t, self.cache)
         self.eos_token_ids = set(eos_token_ids)
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
@@ -87,14 +90,14 @@ class Scheduler:
         req.arrival = self._arrivals
         self.waiting.append(req)
 
-    def abort(self, rid: str) -> Req | None:
+    def abort(self, request_id: str) -> Req | None:
         for r in self.waiting:
-            if r.rid == rid:
+            if r.request_id == request_id:
                 self.waiting.remove(r)
                 r.finish_reason = FinishReason.ABORT
                 return r
         for r in self.running:
-            if r.rid == rid:
+            if r.request_id == request_id:
                 self.finish(r, FinishReason.ABORT)
                 return r
         return None
@@ -103,50 +106,23 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ memory
-    def _available(self) -> int:
-        return self.alloc.num_free + (self.cache.evictable_size() if self.cache else 0)
-
-    def _ensure_free(self, pages: int) -> bool:
-        if self.alloc.num_free < pages and self.cache is not None:
-            self.cache.evict(pages - self.alloc.num_free)
-        return self.alloc.num_free >= pages
-
     def _admit(self, req: Req) -> bool:
         ids = req.all_ids
-        pre_slots, node = (self.cache.match_prefix(ids[:-1]) if self.cache is not None
-                           else (torch.empty(0, dtype=torch.int64), None))
-        pre = pre_slots.numel()
-        if self.cache is not None:
-            self.cache.inc_lock_ref(node)
-        need = self.alloc.pages_needed(pre, len(ids))
-        reserve = len(self.running)
-        if need + reserve > self._available() or not self._ensure_free(need):
-            if self.cache is not None:
-                self.cache.dec_lock_ref(node)
+        lease = self.kv.admit(ids, match_len=len(ids) - 1, alloc_len=len(ids),
+                              headroom_pages=len(self.running))
+        if lease is None:
             return False
-        row = self.r2t.alloc()
-        delta = self.alloc.alloc_slots(pre, len(ids), None)
-        self.r2t.write(row, 0, pre_slots)
-        self.r2t.write(row, pre, delta)
-        req.row, req.pre_len, req.kv_len, req.alloc_len, req.last_node = row, pre, pre, len(ids), node
+        req.lease, req.kv_len = lease, lease.pre_len
         if req.cached_tokens is None:
-            req.cached_tokens = min(pre, len(req.prompt_ids))
+            req.cached_tokens = min(lease.pre_len, len(req.prompt_ids))
         return True
 
     def _release(self, req: Req) -> None:
         """Give back everything ``req`` holds (radix insert of committed tokens, unlock, free)."""
-        if req.row is None:
+        if req.lease is None:
             return
-        row_slots = self.r2t.slots(req.row, 0, req.alloc_len)
-        if self.cache is not None:
-            kept = self.cache.insert_finished(req.all_ids[:req.kv_len], row_slots, req.pre_len // self.ps)
-            self.alloc.free_slots(row_slots[req.pre_len:kept.start * self.ps])
-            self.alloc.free_slots(row_slots[kept.stop * self.ps:])
-            self.cache.dec_lock_ref(req.last_node)
-        else:
-            self.alloc.free_slots(row_slots)
-        self.r2t.free(req.row)
-        req.row, req.last_node, req.kv_len, req.alloc_len, req.pre_len = None, None, 0, 0, 0
+        self.kv.release(req.lease, req.all_ids[:req.kv_len])
+        req.lease, req.kv_len = None, 0
 
     def _preempt(self, req: Req) -> None:
         self._release(req)
@@ -191,14 +167,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req not in self.running:
                 continue  # preempted meanwhile
-            while req.alloc_len < req.seq_len:
-                need = self.alloc.pages_needed(req.alloc_len, req.seq_len)
-                if self._ensure_free(need):
-                    last = int(self.r2t.req_to_token[req.row, req.alloc_len - 1])
-                    slots = self.alloc.alloc_slots(req.alloc_len, req.seq_len, last)
-                    self.r2t.write(req.row, req.alloc_len, slots)
-                    req.alloc_len = req.seq_len
-                    break
+            while not self.kv.grow(req.lease, req.seq_len):
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim)
                 if victim is req:
@@ -219,15 +188,15 @@ class Scheduler:
                 # defensive (add() rejects what can never fit): fail the head rather than spin
                 req = self.waiting.popleft()
                 req.finish_reason = FinishReason.ABORT
-                req.error = f"request {req.rid} cannot be admitted into an idle pool"
+                req.error = f"request {req.request_id} cannot be admitted into an idle pool"
                 return [StepResult(req, -1, None, None)]
             return []
         rows, pres, toks, locs = [], [], [], []
         for req, n in work:
-            rows.append(req.row)
+            rows.append(req.lease.row)
             pres.append(req.kv_len)
             toks.append(req.all_ids[req.kv_len:req.kv_len + n])
-            locs.append(self.r2t.req_to_token[req.row, req.kv_len:req.kv_len + n])
+            locs.append(self.r2t.req_to_token[req.lease.row, req.kv_len:req.kv_len + n])
         batch = ForwardBatch.build(mode, rows, pres, toks, torch.cat(locs), self.runner.device)
         logits = self.runner.forward(batch)
         done_idx, done = [], []
@@ -256,13 +225,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ accounting
     def kv_stats(self) -> KVStats:
-        owned = sum(self.alloc.pages_needed(r.pre_len, r.alloc_len) for r in self.running)
+        owned = sum(len(r.lease.own_pages) for r in self.running)
         return KVStats(
             num_pages=self.alloc.num_pages, page_size=self.ps, free_pages=self.alloc.num_free,
-            evictable_pages=self.cache.evictable_size() if self.cache else 0,
-            protected_pages=self.cache.protected_size() if self.cache else 0,
+            evictable_pages=self.cache.evictable_size(), protected_pages=self.cache.protected_size(),
             owned_pages=owned, rows_in_use=self.r2t.num_used,
-            slots_in_use=sum(r.alloc_len for r in self.running),
+            slots_in_use=sum(r.lease.alloc_len for r in self.running),
             running=len(self.running), waiting=len(self.waiting))
 
     def check_invariants(self, expect_idle: bool = False) -> KVStats:
@@ -270,7 +238,7 @@ class Scheduler:
         s = self.kv_stats()
         total = s.free_pages + s.evictable_pages + s.protected_pages + s.owned_pages
         assert total == s.num_pages, f"KV accounting broken: {s}"
-        if self.cache is not None:
+        if self.cache.enabled:
             self.cache.check_invariants(num_pages=s.num_pages, free_pages=s.free_pages,
                                         owned_pages=s.owned_pages, expect_unlocked=expect_idle)
         if expect_idle:
