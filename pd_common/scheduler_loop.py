@@ -1,0 +1,84 @@
+"""The scheduler thread both PD workers run: drain the inbox, run one iteration, never die.
+
+One thread owns a worker's ModelRunner, KV memory and jobs; everything else reaches it through the
+``Inbox``. A failing iteration is logged and the worker's ``on_iteration_error`` fails what was in
+flight loudly instead of letting the thread end (a dead scheduler would hang every caller). At
+shutdown every caller still waiting — jobs the loop holds and jobs it never saw — is answered
+UNAVAILABLE, so no gRPC thread keeps the process alive after SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+
+import grpc
+
+from pd_common.inbox import Inbox, Wake
+from pd_common.protocol import ServiceError
+from pd_common.rooms import KnownRooms
+from pd_common.worker_runtime import bind_cuda_device
+
+
+class SchedulerLoop(ABC):
+    """Base of ``PrefillScheduler`` and ``DecodeScheduler``.
+
+    Args:
+        name: the thread's name; device: the runner's torch device (bound in the thread, CUDA).
+        log: the worker's logger.
+    """
+
+    def __init__(self, name: str, device, log: logging.Logger):
+        self.inbox = Inbox()
+        self.known = KnownRooms()
+        self._device = device
+        self._log = log
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, message: str) -> None:
+        """End the loop and answer every waiting caller with UNAVAILABLE ``message``."""
+        self._stop = True
+        self.inbox.post(Wake())
+        self._thread.join(timeout=10)
+        err = ServiceError(grpc.StatusCode.UNAVAILABLE, message)
+        for job in self.live_jobs() + self.inbox.pending_jobs():
+            self.answer_shutdown(job, err)
+
+    def _run(self) -> None:
+        bind_cuda_device(self._device)  # this thread runs the forwards (CUDA graph replay)
+        while not self._stop:
+            try:
+                self.inbox.drain(self.idle_wait(), self.handle)
+                self.iterate()
+            except Exception:
+                self._log.exception("%s iteration failed", self._thread.name)
+                self.on_iteration_error()
+
+    @abstractmethod
+    def idle_wait(self) -> float:
+        """Seconds to wait for a message before the next iteration (0 when work is ready)."""
+
+    @abstractmethod
+    def handle(self, msg: object) -> None:
+        """One inbox message (scheduler thread)."""
+
+    @abstractmethod
+    def iterate(self) -> None:
+        """One pass over the worker's queues (timeouts, admission, one forward, ...)."""
+
+    @abstractmethod
+    def on_iteration_error(self) -> None:
+        """Fail the jobs an exception may have left half done."""
+
+    @abstractmethod
+    def live_jobs(self) -> list:
+        """Jobs the loop holds (for the shutdown answer)."""
+
+    @abstractmethod
+    def answer_shutdown(self, job, err: ServiceError) -> None:
+        """Answer one job's caller with ``err`` unless it was answered already."""
