@@ -20,7 +20,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("room", "decode_segment", "dst_page_ids", "pre_len", "prompt_len", "want_checksums", "decode_worker_id")
+    __slots__ = ("room", "decode_segment", "dst_page_ids", "pre_len", "prompt_len", "want_checksums", "decode_worker_id", "write_deadline_ms")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     DECODE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     DST_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class KVDestination(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     WANT_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WRITE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     room: int
     decode_segment: str
     dst_page_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -35,15 +36,18 @@ class KVDestination(_message.Message):
     prompt_len: int
     want_checksums: bool
     decode_worker_id: str
-    def __init__(self, room: _Optional[int] = ..., decode_segment: _Optional[str] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., pre_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., want_checksums: _Optional[bool] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
+    write_deadline_ms: int
+    def __init__(self, room: _Optional[int] = ..., decode_segment: _Optional[str] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., pre_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., want_checksums: _Optional[bool] = ..., decode_worker_id: _Optional[str] = ..., write_deadline_ms: _Optional[int] = ...) -> None: ...
 
 class SetDestinationResponse(_message.Message):
-    __slots__ = ("prefill_segment", "incarnation")
+    __slots__ = ("prefill_segment", "incarnation", "write_deadline_ms")
     PREFILL_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    WRITE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     prefill_segment: str
     incarnation: str
-    def __init__(self, prefill_segment: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    write_deadline_ms: int
+    def __init__(self, prefill_segment: _Optional[str] = ..., incarnation: _Optional[str] = ..., write_deadline_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
     __slots__ = ("room", "first_token_id", "first_logprob", "cached_tokens", "pages_sent", "bytes_sent", "queue_seconds", "prefill_seconds", "transfer_seconds")

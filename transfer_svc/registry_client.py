@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import grpc
 
@@ -59,6 +60,7 @@ class RegistryClient:
         self.ttl_s = ttl_s
         self.lease_id = ""
         self.granted_ttl_s = ttl_s or 10
+        self._lease_valid_until = float("-inf")
         self.registrations = 0  # how many times this client (re-)registered
         self._channel = grpc.insecure_channel(address)
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
@@ -93,18 +95,35 @@ class RegistryClient:
     def _register(self) -> None:
         with self._lock:
             req = registry_pb2.RegisterSegmentRequest(worker=self.record, ttl_seconds=self.ttl_s)
+        sent = time.monotonic()
         resp = self._stub.RegisterSegment(req, timeout=self.rpc_timeout_s)
         with self._lock:
             self.lease_id = resp.lease_id
             self.granted_ttl_s = resp.ttl_seconds
             self.registrations += 1
+            self._lease_valid_until = sent + resp.ttl_seconds
+
+    def lease_valid_for(self) -> float:
+        """Seconds our lease is still certainly held, by our own monotonic clock (negative once it
+        may have lapsed; -inf before the first registration).
+
+        Counted from when the last successful register/heartbeat was *sent*, so the registry's
+        expiry can only come later. A worker that was stopped (SIGSTOP, a long GC pause) sees its
+        lease lapsed on waking, before any heartbeat runs, and must fence itself: the peers may
+        already treat its resources as released.
+        """
+        with self._lock:
+            return self._lease_valid_until - time.monotonic()
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(max(0.05, self.granted_ttl_s / 3.0)):
             try:
-                self._stub.Heartbeat(registry_pb2.HeartbeatRequest(
+                sent = time.monotonic()
+                resp = self._stub.Heartbeat(registry_pb2.HeartbeatRequest(
                     worker_id=self.record.worker_id, lease_id=self.lease_id),
                     timeout=self.rpc_timeout_s)
+                with self._lock:
+                    self._lease_valid_until = sent + (resp.ttl_seconds or self.granted_ttl_s)
             except grpc.RpcError as e:
                 if self._stop.is_set():
                     return

@@ -286,3 +286,21 @@ def test_client_cache_follows_incarnation(registry):
     finally:
         owner.close()
         watcher.close()
+
+
+def test_client_lease_view_lapses_when_heartbeats_stop(registry):
+    """A worker's own view of its lease: renewed by heartbeats, lapsed (negative) once they stop for
+    longer than the TTL — what a prefill worker checks before it writes into a peer's pages."""
+    client = RegistryClient(registry.address, worker_id="p0", role="prefill", ttl_s=1)
+    try:
+        assert client.lease_valid_for() == float("-inf")  # never registered: no lease
+        client.publish(_segment("p0"))
+        for _ in range(3):  # heartbeats keep it above zero across several TTLs
+            time.sleep(0.6)
+            assert 0 < client.lease_valid_for() <= 1.0
+        client._stop.set()  # heartbeats stop, as in a stopped process
+        client._hb_thread.join(timeout=5)
+        time.sleep(1.1)
+        assert client.lease_valid_for() < 0
+    finally:
+        client.close()
