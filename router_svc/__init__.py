@@ -1,4 +1,5 @@
-"""halfmoon router: what clients call (DESIGN.md §2, §3 steps 1 and 5). Talks to workers only over gRPC.
+"""halfmoon router: what clients call (docs/architecture.md, Parts; A request's path, steps 1, 5 and
+6). Talks to workers only over gRPC.
 
 Files (one concept each):
   main.py           `halfmoon serve-router`: gRPC server (Router + health + reflection), OpenAI HTTP

@@ -1,11 +1,13 @@
-"""PD dispatch: one client request -> a prefill leg and a decode leg, streamed back (DESIGN.md §3).
+"""PD dispatch: one client request -> a prefill leg and a decode leg, streamed back
+(docs/architecture.md, A request's path).
 
 For each attempt (at most ``max_attempts``, default 2 = "retry once"):
 
 1. pick P with the prefill policy and D with the decode policy (avoiding the workers of a failed
    attempt when others are available), mint a random 63-bit ``room`` (``secrets.randbits(63)``);
 2. call ``D.Generate(DecodeRequest)`` (server stream) and ``P.Prefill(PrefillRequest)`` (unary)
-   **concurrently** (SMG ``execute_dual_dispatch_internal``, research/anchors.md §2);
+   **concurrently**, as SMG's ``execute_dual_dispatch_internal`` does: D must not wait for P to
+   start pre-allocating, nor P for D to start computing;
 3. if either leg fails before D's first chunk, cancel both calls, send ``Abort(request_id, room)``
    to both workers, and retry with a new pair and a new room. Client errors (INVALID_ARGUMENT) are
    returned, not retried;
