@@ -54,7 +54,7 @@ def compare_passes(first: Sequence[RequestRecord], other: Sequence[RequestRecord
 
     Outputs are compared as token ids when both records carry them (router target), else as text
     (OpenAI target). Greedy decoding through the caches must not change a single token
-    (DESIGN.md §4), so ``differing`` should be 0.
+    (docs/architecture.md, Invariants), so ``differing`` should be 0.
 
     Returns:
         ``{compared, unit, differing, identical, diffs}`` where ``diffs`` lists

@@ -4,7 +4,7 @@ Small models score ~0% on GSM8K, so a broken pipeline and a working one look ali
 problems (adding or subtracting a single digit to/from a number up to 30, single-digit products) are
 easy enough that the default model (SmolLM2-135M-Instruct, fp32, greedy, 4-shot) scores well above
 zero: 52% on 60 questions with ``transformers`` directly, 58% on 50 through the 1P1D stack
-(bench/results/eval_arith_1p1d_50q.json; research/FACTS.md: ~36% on a similar generated set). A
+(bench/results/eval_arith_1p1d_50q.json; about 36% on a similar generated set of 4-shot problems). A
 result near zero means the serving path is broken. Rows have the GSM8K shape (``question``, ``answer`` ending in ``#### n``) so
 the GSM8K prompt builder and answer extraction apply unchanged.
 """

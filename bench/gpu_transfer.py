@@ -155,7 +155,7 @@ def transfer(args) -> dict:
         reps = args.transfer_reps
 
         def put(descs) -> float:
-            torch.cuda.synchronize()  # FACTS: the source pages must be complete before UCX reads them
+            torch.cuda.synchronize()  # queued writes to the source pages must land before UCX reads them
             t = time.perf_counter()
             st = eng.wait(eng.submit(seg, descs))
             dt = time.perf_counter() - t

@@ -14,9 +14,10 @@ hashes to what replaying the same copies locally predicts.
 Workloads (bytes moved per run in brackets):
   scattered      512 writes of 128 KiB, source and destination slots randomly permuted  [64 MiB]
   large          one 64 MiB write                                                      [64 MiB]
-  kv_layer       KV-shaped, per-layer pool (DESIGN.md §6): SmolLM2-135M fp32 (30 layers, 3 KV heads,
-                 head_dim 64, page 16 tokens -> 12 KiB per page per buffer), a 1024-token delta of
-                 64 pages in 8 runs of 8 pages: one write per run per layer per K/V = 480 writes
+  kv_layer       KV-shaped, per-layer pool (layer_major; docs/architecture.md, KV memory):
+                 SmolLM2-135M fp32 (30 layers, 3 KV heads, head_dim 64, page 16 tokens -> 12 KiB per
+                 page per buffer), a 1024-token delta of 64 pages in 8 runs of 8 pages: one write per
+                 run per layer per K/V = 480 writes
   kv_page_major  the same pages in a page-major pool (all 30 x K/V of a page contiguous, 720 KiB):
                  one write per run = 8 writes
   kv_contiguous  the same bytes as one write (a staging buffer gathered on one side)
@@ -54,7 +55,7 @@ REGION = 128 * MiB
 CHUNK = 128 * 1024
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# SmolLM2-135M KV shape (engine/configs; FACTS.md): fp32, page 16 tokens
+# SmolLM2-135M KV shape (its config.json): fp32, page 16 tokens
 KV_LAYERS, KV_HEADS, HEAD_DIM, PAGE_TOKENS, DTYPE_BYTES = 30, 3, 64, 16, 4
 PAGE_BYTES = PAGE_TOKENS * KV_HEADS * HEAD_DIM * DTYPE_BYTES  # 12 KiB per page per buffer
 N_BUFFERS = 2 * KV_LAYERS
@@ -457,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nratios of medians:")
     for w, r in ratios.items():
         print(f"  {w:<14} " + "  ".join(f"{k} {v:.2f}" for k, v in r.items()))
-    print("\nKV layout (DESIGN.md §6): per-layer puts / one contiguous put, page-major / contiguous:")
+    print("\nKV layout: per-layer puts / one contiguous put, page-major / contiguous:")
     for e, r in kv.items():
         print(f"  {e:<14} " + "  ".join(f"{k} {v:.2f}" for k, v in r.items()))
     for e, why in skipped.items():

@@ -17,7 +17,8 @@ Files (one concept each):
   model_runner.py        ModelRunner: model + pools + allocator + backend; forward(batch) -> logits
   sampling_params.py     SamplingParams.validate(vocab_size, max_context, prompt_len)
   sampler.py             batch sampling (greedy, temperature, top-k/p, min-p, seed, penalties, logprobs)
-  detokenizer.py         incremental detokenizer with stop strings (no split UTF-8 characters)
+  detokenizer.py         incremental detokenizer with stop strings (no split UTF-8 characters); the
+                         router streams its text through it too
   scheduler/             scheduler.py: continuous-batching scheduler (co-located); request.py: Req
   engine.py              Engine: generate(...) and add_request/step streaming API, kv_stats()
   engine_args.py         command-line flags -> EngineConfig (shared by CLIs and workers)

@@ -1,5 +1,6 @@
-"""Command-line flags for an :class:`~engine.config.EngineConfig` (shared by `halfmoon generate
---offline`, the prefill/decode workers and the benchmarks)."""
+"""Command-line flags for an :class:`~engine.config.EngineConfig` (`halfmoon generate --offline`: the
+co-located engine). Names and meanings match the flags of the prefill/decode workers
+(``pd_common.worker_runtime``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,18 @@ import argparse
 from engine.config import EngineConfig
 from engine.device import check_device, device_spec
 from engine.kvcache.kv_pool import KV_LAYOUTS
+
+
+class _Replaced(argparse.Action):
+    """A flag that no longer exists: using it is an argparse error naming its replacement."""
+
+    def __init__(self, option_strings, dest, replacement: str, **kw):
+        self.replacement = replacement
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {self.replacement} (the KV pool budget in MiB, as on "
+                     f"halfmoon up / serve-prefill / serve-decode), e.g. {self.replacement} 512")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,9 +32,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=d.device, type=device_spec, help="cpu | cuda | cuda:N")
     g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    g.add_argument("--kv-memory", default=str(d.kv_memory),
-                   help="KV pool budget: bytes ('2GiB', '536870912') or a fraction of free memory ('0.1')")
-    g.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-memory)")
+    g.add_argument("--kv-memory-mb", type=float, default=None,
+                   help="KV pool budget in MiB, the flag of every halfmoon command; unset: "
+                        f"{d.kv_memory * 100:g}%% of the device's free memory")
+    g.add_argument("--kv-memory", action=_Replaced, replacement="--kv-memory-mb", help=argparse.SUPPRESS)
+    g.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-memory-mb)")
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     g.add_argument("--max-context", type=int, default=None, help="tokens per request (default: the model's)")
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
@@ -37,13 +52,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of the parsed flags. Raises SystemExit (one line) for a CUDA ``--device`` this
     process cannot use (``engine.device.check_device``)."""
-    from engine.config import parse_bytes
-
     check_device(args.device)
-
+    kv_memory = EngineConfig.kv_memory if args.kv_memory_mb is None else int(args.kv_memory_mb * (1 << 20))
     return EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-        page_size=args.page_size, kv_memory=parse_bytes(args.kv_memory), num_pages=args.num_pages,
+        page_size=args.page_size, kv_memory=kv_memory, num_pages=args.num_pages,
         max_running_requests=args.max_running_requests, max_context=args.max_context,
         chunked_prefill_size=args.chunked_prefill_size, disable_radix_cache=args.disable_radix_cache,
         torch_threads=args.torch_threads, workers_on_host=args.workers_on_host,

@@ -167,7 +167,8 @@ def _convert_gguf(gguf_path: Path, out: Path, quiet: bool) -> None:
     kw = dict(gguf_file=gguf_path.name)
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
-    # save_pretrained refuses a GGUF-loaded model until the quantizer marker is dropped (FACTS.md).
+    # save_pretrained refuses a GGUF-loaded model until the quantizer marker is dropped (transformers
+    # 5.x); the weights are already dequantized to fp32, so the marker is all that is left of it.
     model.hf_quantizer = None
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):

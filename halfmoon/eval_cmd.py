@@ -2,7 +2,8 @@
 
 - ``gsm8k``: ``--num-shots`` examples from the GSM8K train set, then questions from the test set
   (the first ``--num-questions``, after ``--start``), data from ``--data-dir`` /
-  ``$HALFMOON_GSM8K_DIR`` / ``../shared/data/gsm8k``. Small models score ~0% here (FACTS).
+  ``$HALFMOON_GSM8K_DIR`` / ``../shared/data/gsm8k``. Small models score ~0% here (SmolLM2-135M,
+  greedy), so only a larger model makes it a quality measure.
 - ``arith``: a seeded synthetic arithmetic set (:mod:`bench.arith`) in the same format, where the
   default model scores well above zero: the smoke floor that tells a working pipeline from a broken
   one.

@@ -1,4 +1,5 @@
-"""halfmoon router: what clients call (DESIGN.md §2, §3 steps 1 and 5). Talks to workers only over gRPC.
+"""halfmoon router: what clients call (docs/architecture.md, Parts; A request's path, steps 1, 5 and
+6). Talks to workers only over gRPC.
 
 Files (one concept each):
   main.py           `halfmoon serve-router`: gRPC server (Router + health + reflection), OpenAI HTTP
@@ -9,8 +10,8 @@ Files (one concept each):
                     naming the field, before anything reaches a worker
   errors.py         RouterError (gRPC code, message, param) and its OpenAI/HTTP mapping
   tokenizer.py      HF tokenizer + chat template of the model; context window
-  detokenizer.py    streaming detokenizer: UTF-8 safe deltas, stop strings removed
-  dispatch.py       Dispatcher: pick P and D, mint the room, concurrent legs, retry once, Abort both legs
+  dispatch.py       Dispatcher: pick P and D, mint the room, concurrent legs, retry once, Abort both legs;
+                    streamed text through engine.detokenizer (UTF-8 safe deltas, stop strings removed)
   pool.py           WorkerPool: static list or registry WatchWorkers; health checks and GetLoad polling
   worker.py         Worker: router-side state of one worker (stub, health, load)
   policies.py       round_robin, least_load, power_of_two, cache_aware (one per role)

@@ -1,11 +1,13 @@
-"""PD dispatch: one client request -> a prefill leg and a decode leg, streamed back (DESIGN.md §3).
+"""PD dispatch: one client request -> a prefill leg and a decode leg, streamed back
+(docs/architecture.md, A request's path).
 
 For each attempt (at most ``max_attempts``, default 2 = "retry once"):
 
 1. pick P with the prefill policy and D with the decode policy (avoiding the workers of a failed
    attempt when others are available), mint a random 63-bit ``room`` (``secrets.randbits(63)``);
 2. call ``D.Generate(DecodeRequest)`` (server stream) and ``P.Prefill(PrefillRequest)`` (unary)
-   **concurrently** (SMG ``execute_dual_dispatch_internal``, research/anchors.md §2);
+   **concurrently**, as SMG's ``execute_dual_dispatch_internal`` does: D must not wait for P to
+   start pre-allocating, nor P for D to start computing;
 3. if either leg fails before D's first chunk, cancel both calls, send ``Abort(request_id, room)``
    to both workers, and retry with a new pair and a new room. Client errors (INVALID_ARGUMENT) are
    returned, not retried;
@@ -27,9 +29,9 @@ from typing import AsyncIterator
 
 import grpc
 
+from engine.detokenizer import IncrementalDetokenizer
 from telemetry import metrics as M
 from protos import common_pb2, decode_pb2, prefill_pb2, router_pb2
-from router_svc.detokenizer import StreamDetokenizer
 from router_svc.errors import RouterError
 from router_svc.policies import NoWorkerError, Policy
 from router_svc.pool import WorkerPool
@@ -299,7 +301,7 @@ class Dispatcher:
                      abort_wait: asyncio.Future, handle: _Inflight, deadline: float, start: float,
                      retries: int) -> AsyncIterator[router_pb2.GenerateResponse]:
         rid = prep.request_id
-        detok = StreamDetokenizer(self.tok.backend, prep.stop, prompt_ids=prep.input_ids)
+        detok = IncrementalDetokenizer(self.tok.backend, prep.input_ids, prep.stop)
         usage = router_pb2.Usage(prompt_tokens=len(prep.input_ids), retries=retries)
         meta = dict(request_id=rid, prefill_worker=legs.p.worker_id, decode_worker=legs.d.worker_id)
         chunk = first
@@ -308,14 +310,14 @@ class Dispatcher:
         while True:
             _merge_usage(usage, chunk)
             n_tokens += len(chunk.token_ids)
-            text = detok.push(list(chunk.token_ids))
+            text = detok.extend(chunk.token_ids)
             finish = chunk.finish_reason
             matched = chunk.matched_stop
-            if detok.matched_stop is not None:
-                finish, matched = "stop", detok.matched_stop
+            if detok.stopped:
+                finish, matched = "stop", detok.stop_reason
             if finish:
-                text += detok.finish(matched or None)
-                matched = detok.matched_stop or matched
+                text += detok.flush(matched or None)
+                matched = detok.stop_reason or matched
                 _finish_usage(usage, legs, n_tokens, chunk)
                 if not chunk.finish_reason:  # the router saw the stop string first: D still runs
                     legs.close(abort=True, reason="stop string matched", background=self._background)
@@ -348,7 +350,7 @@ class Dispatcher:
                                       f"deadline passed after {n_tokens} tokens")
                 legs.close(abort=True, reason=handle.reason, background=self._background)
                 usage.completion_tokens = n_tokens
-                yield router_pb2.GenerateResponse(text=detok.finish(), finish_reason="abort", usage=usage, **meta)
+                yield router_pb2.GenerateResponse(text=detok.flush(), finish_reason="abort", usage=usage, **meta)
                 return
             exc = read.exception() if not read.cancelled() else asyncio.CancelledError()
             chunk = read.result() if exc is None else None

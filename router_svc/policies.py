@@ -2,7 +2,7 @@
 
 Every policy picks only among ``available`` workers (healthy, not removed) and raises
 :class:`NoWorkerError` when there is none. Names and semantics follow SMG
-(``model_gateway/src/policies/``, research/anchors.md §2):
+(``model_gateway/src/policies/`` in lightseekorg/smg):
 
 - ``round_robin``: next available worker in id order.
 - ``least_load``: smallest :meth:`Worker.load_score` (``GetLoad`` waiting + running + transferring,

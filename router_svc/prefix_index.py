@@ -5,7 +5,8 @@ A prompt is cut into full pages of ``page_size`` tokens; page ``i``'s key is a c
 recently used keys (LRU, at most ``max_pages``) and answers "how many leading tokens of this prompt
 did this worker see recently", in whole pages. Same page alignment as the workers' radix caches,
 which match only whole pages. Design after SMG's gRPC ``TokenTree`` (block_size 16, LRU eviction);
-keys are ``engine.kvcache.page_hash`` chained blake2b hashes, never Python's salted ``hash()`` (DESIGN.md §4).
+keys are ``engine.kvcache.page_hash`` chained blake2b hashes, never Python's salted ``hash()`` (keys must
+agree across processes and restarts).
 """
 
 from __future__ import annotations

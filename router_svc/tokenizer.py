@@ -45,7 +45,7 @@ class RouterTokenizer:
         max_ctx = int(config.get("max_position_embeddings") or 2048)
         vocab = max(int(config.get("vocab_size") or 0), len(self.hf))
         self.card = ModelCard(id=model_id, path=Path(model_dir), max_context=max_ctx, vocab_size=vocab)
-        self.backend = self.hf.backend_tokenizer  # tokenizers.Tokenizer, for DecodeStream
+        self.backend = self.hf.backend_tokenizer  # tokenizers.Tokenizer: the streamed text's detokenizer
 
     @property
     def has_chat_template(self) -> bool:

@@ -1,6 +1,7 @@
 """Request validation before dispatch: every bad input becomes INVALID_ARGUMENT naming the field.
 
-Nothing is allocated on any worker before a request passes here (DESIGN.md §4, last invariant).
+Nothing is allocated on any worker before a request passes here (docs/architecture.md, Invariants:
+bad input gets a clear status before anything is allocated).
 Ranges follow OpenAI / vLLM semantics (protos/common.proto documents each sampling field).
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the offline tools the deploy/observability tests use (issue 7). Idempotent: each step
+# Installs the offline tools the deploy/observability tests use. Idempotent: each step
 # checks the pinned version first, so a second run takes about a second.
 #
 #   promtool + prometheus   Debian package `prometheus` (apt; needs root, as on CI)   -> /usr/bin

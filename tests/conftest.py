@@ -11,7 +11,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 try:
     import torch
 
-    torch.set_num_threads(1)  # 2 shared cores: more threads only contend (research/FACTS.md)
+    # 2 shared cores: more threads only contend (two 2-thread torch processes on 2 cores ran 5x
+    # slower than with 1 thread each)
+    torch.set_num_threads(1)
 except ImportError:  # tests that do not need torch still run
     pass
 

@@ -23,7 +23,7 @@ New K/V are stored first (``KVPool.write``: one index_put per K and V), then att
 pool. ``plan`` happens once per batch in :meth:`init_forward` from host-side lengths
 (``ForwardBatch.seq_lens_cpu``); the page indices themselves are gathered on the device.
 flashinfer is imported lazily, so this module imports on CPU-only machines.
-Upstream anchors: flashinfer ``decode.py`` / ``prefill.py`` wrappers (plan/run), sglang's
+Modelled on flashinfer ``decode.py`` / ``prefill.py`` wrappers (plan/run), sglang's
 ``flashinfer_backend.py`` (page-table construction, cuda-graph wrappers).
 """
 

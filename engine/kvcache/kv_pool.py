@@ -4,7 +4,7 @@ Slot ``s`` is token ``s % page_size`` of page ``s // page_size``. Attention sees
 as ``[num_pages, page_size, num_kv_heads, head_dim]`` tensors (:meth:`KVPool.k_pages`,
 :meth:`KVPool.v_pages`); how those views sit in memory is the pool's ``layout``:
 
-``page_major`` (the default, DESIGN.md §6): one tensor ``[num_pages, num_layers, 2, page_size,
+``page_major`` (the default; docs/architecture.md, KV memory): one tensor ``[num_pages, num_layers, 2, page_size,
     num_kv_heads, head_dim]`` (K then V of layer 0, K then V of layer 1, ... inside a page). The
     per-layer views are strided (page stride ``2 * num_layers * page_size * num_kv_heads * head_dim``
     elements). A page is ONE contiguous byte range of ``page_stride_bytes``, and a run of n

@@ -1,6 +1,6 @@
 """Page allocator: a free list of KV page ids.
 
-Slot = page * page_size + offset (DESIGN.md §6). The allocator hands out whole pages; a request's
+Slot = page * page_size + offset (docs/architecture.md, KV memory). The allocator hands out whole pages; a request's
 tokens fill its pages in order, so a request at length ``L`` owns ``ceil(L / page_size)`` pages and
 only its last page may be partly filled. Invariant: ``num_free + num_used == num_pages``.
 """

@@ -1,4 +1,5 @@
-"""GSM8K 6-shot through prefill -> decode, two passes (the seed's regression test, adapted).
+"""GSM8K 6-shot through prefill -> decode, two passes: the end-to-end regression test of the
+delta transfer.
 
 Real registry, P and D on loopback UCX, SmolLM2-135M fp32, greedy, concurrency 8. Pass 1 fills
 both radix caches; pass 2 repeats the same prompts. Checks:
@@ -7,7 +8,7 @@ both radix caches; pass 2 repeats the same prompts. Checks:
 - each pass transfers exactly the delta pages (P's transfer log), so pass 2 moves only the tail
   page(s) of each prompt, not the shared 6-shot prefix; pages and bytes of both passes are printed;
 - accuracy of pass 2 is not below pass 1 - 0.03 (with identical tokens it is equal; SmolLM2 scores
-  near 0 on GSM8K, so accuracy only guards against gross breakage, FACTS.md);
+  near 0 on GSM8K, so accuracy only guards against gross breakage);
 - KV accounting holds on P and D afterwards.
 
 The data is read from ``$HALFMOON_GSM8K_DIR`` or ``../shared/data/gsm8k`` and never committed;

@@ -1,5 +1,5 @@
 """In-process checks of the PD protocol pieces: run merging, descriptors, the destination book's
-TTL and tombstones, the prebuilt batch's ``out_cache_loc`` (the seed's ``[:extend_len]`` bug), and
+TTL and tombstones, the prebuilt batch's ``out_cache_loc`` (from ``pre_len``, never ``[:extend_len]``), and
 request validation. No processes, no model."""
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def test_destination_book_ttl_claim_and_tombstones():
 
 
 def test_prebuilt_out_cache_loc_reads_the_delta_not_the_prefix():
-    """Regression for the seed's bug (``req_to_token[row, :extend_len]``, SGLang before #24230)."""
+    """``req_to_token[row, :extend_len]`` would name the prefix slots whenever ``pre_len > 0`` (SGLang
+    had that bug before its PR #24230); the delta starts at ``pre_len``."""
     ps = 4
     r2t = torch.zeros((2, 32), dtype=torch.int64)
     prefix = torch.arange(8, 16)        # pages 2, 3 from the radix cache (pre_len = 8)

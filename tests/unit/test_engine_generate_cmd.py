@@ -3,9 +3,15 @@ bad input is covered at the engine level in test_engine_scheduler.py)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine_args import add_engine_arguments, engine_config_from_args
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -40,3 +46,17 @@ def test_offline_generate_bad_device_is_one_error_line():
     p = _run("hi", "--device", "cuda:99")
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     assert "error: --device cuda:99:" in p.stderr, p.stderr
+
+
+def test_kv_pool_flag_is_kv_memory_mb(capsys):
+    """One pool flag on every command: ``--kv-memory-mb`` (MiB). The old ``--kv-memory`` of this
+    command is an error that names it; unset, the engine's default budget applies."""
+    parser = argparse.ArgumentParser(prog="halfmoon generate")
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(["--kv-memory-mb", "64"])).kv_memory == 64 << 20
+    assert engine_config_from_args(parser.parse_args([])).kv_memory == EngineConfig().kv_memory
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--kv-memory", "2GiB"])
+    assert e.value.code == 2
+    assert "--kv-memory is now --kv-memory-mb" in capsys.readouterr().err
+    assert "--kv-memory " not in parser.format_help()  # one documented flag
