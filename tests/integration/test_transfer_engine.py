@@ -1,6 +1,7 @@
 """Transfer engine between real processes on loopback, over UCX shared memory (`sm`) and `tcp`.
 
-The test process hosts one TransferEngine; peers are `python -m transfer_svc.peer` children.
+The test process hosts one TransferEngine; peers are `python -m tests.integration.transfer_peer`
+children.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import numpy as np
 import pytest
 
 from telemetry import metrics
-from transfer_svc.engine import (BoundsError, DescriptorError, Op, SegmentClosed, State,
-                                 TransferEngine)
-from transfer_svc.peer import PeerProcess, fill_bytes
+from tests.integration.transfer_peer import PeerProcess, fill_bytes
+from transfer_svc import BoundsError, DescriptorError, Op, SegmentClosed, State, TransferEngine
 
 MiB = 1 << 20
 CHUNK = 128 * 1024
