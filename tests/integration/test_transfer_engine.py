@@ -319,8 +319,8 @@ def test_concurrent_submitters(tl, peers, engine_factory):
 def test_concurrent_opens_share_one_endpoint(tl, engine_factory):
     """Threads opening the same peer at once get one Segment; notifies sent through it all arrive.
 
-    Regression: racing opens used to connect one endpoint each and keep only the last, so notifies
-    posted on the others were lost (seen by the PD services under concurrency)."""
+    Two endpoints to one peer would each carry part of the batches and notifies, and the handle
+    that is not kept would orphan what was posted on it."""
     sender = engine_factory("racer", tl)
     receiver = engine_factory("target", tl)
     buf = _buffer(MiB)
