@@ -40,7 +40,7 @@ from transfer_svc.inflight import Inflight
 from transfer_svc.liveness import host_id, pid_start_ticks
 from transfer_svc.memory import LocalMemory
 from transfer_svc.progress import ProgressThread, WorkerConfig
-from transfer_svc.segments import Resolver, SegmentTable
+from transfer_svc.segments import Identity, Resolver, SegmentTable
 from transfer_svc.transfers import Transfers
 from transfer_svc.types import (BatchStatus, BoundsError, DescriptorError, Notify, Op, Region,
                                 Segment, SegmentClosed, State, TransferError)
@@ -121,8 +121,8 @@ class TransferEngine:
                                         spin_s=spin_s, busy_poll=busy_poll)
         self._memory = LocalMemory(self._progress)
         self._inbox = NotifyInbox()
-        self._segments = SegmentTable(self._progress, self._memory, name=self.name,
-                                      incarnation=self.incarnation, host=host_id(),
+        self._segments = SegmentTable(self._progress, self._memory,
+                                      Identity(self.name, self.incarnation, host_id()),
                                       error_mode=error_mode, resolver=resolver)
         self._batches = BatchTable(float(timeout_s))
         self._inflight = Inflight(self._progress, self._segments, self._batches)

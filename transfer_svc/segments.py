@@ -22,7 +22,7 @@ import abc
 import ctypes
 import os
 import threading
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from protos import registry_pb2
 from transfer_svc import ucp
@@ -83,23 +83,28 @@ def validate_descriptor(desc: registry_pb2.SegmentDescriptor) -> None:
         prev_end = r.base + r.length
 
 
+class Identity(NamedTuple):
+    """Who this engine is, as its descriptor says."""
+
+    name: str          # segment name (= worker id)
+    incarnation: str   # a fresh uuid per engine: tells a restarted peer from the old one
+    host: str          # liveness.host_id() of this host
+
+
 class SegmentTable:
     """Open segments by name. `bind` the batch layer before the first open.
 
     Args:
         progress: runs the UCP calls. memory: the regions `publish` lists.
-        name, incarnation: this engine's segment name and incarnation (a fresh uuid per engine).
-        host: this host's liveness.host_id().
+        identity: this engine's name, incarnation and host.
         error_mode: "none" or "peer" (module docstring). resolver: for open(name), or None.
     """
 
-    def __init__(self, progress: ProgressThread, memory: LocalMemory, *, name: str,
-                 incarnation: str, host: str, error_mode: str, resolver: Resolver | None):
+    def __init__(self, progress: ProgressThread, memory: LocalMemory, identity: Identity, *,
+                 error_mode: str, resolver: Resolver | None):
         self._progress = progress
         self._memory = memory
-        self.name = name
-        self.incarnation = incarnation
-        self.host = host
+        self.identity = identity
         self.error_mode = error_mode
         self.resolver = resolver
         self._work: SegmentWork | None = None
@@ -119,9 +124,10 @@ class SegmentTable:
     def publish(self, kv_layout: registry_pb2.KVLayout | None) -> registry_pb2.SegmentDescriptor:
         """This engine's descriptor: name, incarnation, worker address, owner identity, every
         registered region with its packed rkey, the KV layout, and the digest over them."""
-        desc = registry_pb2.SegmentDescriptor(name=self.name, incarnation=self.incarnation,
+        me = self.identity
+        desc = registry_pb2.SegmentDescriptor(name=me.name, incarnation=me.incarnation,
                                               worker_address=self._progress.worker_address,
-                                              host_id=self.host, pid=os.getpid(),
+                                              host_id=me.host, pid=os.getpid(),
                                               pid_start_ticks=pid_start_ticks(os.getpid()) or 0)
         for r in self._memory.regions():
             desc.regions.add(base=r.base, length=r.length, rkey=r.rkey, location=r.location)
@@ -176,7 +182,7 @@ class SegmentTable:
             self._progress.call(self.close, old, "replaced by a new incarnation", True)
         seg = Segment(name=desc.name, incarnation=desc.incarnation, descriptor=desc,
                       kv_layout=desc.kv_layout)
-        seg.local_pid, seg.local_start = local_owner(desc, self.host)
+        seg.local_pid, seg.local_start = local_owner(desc, self.identity.host)
         if owner_exited(seg):
             raise SegmentClosed(f"segment {desc.name!r}: owner process {desc.pid} on this host "
                                 f"is gone (stale descriptor)")
