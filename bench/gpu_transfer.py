@@ -63,7 +63,7 @@ def _checksums(bufs: list[torch.Tensor], pages: list[int]) -> list[int]:
 
 
 def _engine(name: str, transports, busy_poll: bool = False):
-    from transfer_svc.engine import TransferEngine
+    from transfer_svc import TransferEngine
 
     return TransferEngine(name, transports=transports, timeout_s=60, busy_poll=busy_poll)
 
@@ -124,7 +124,7 @@ def transfer(args) -> dict:
     src_dev, dst_dev = devices()
     from engine.kvcache.kv_pool import KVPool
     from protos import registry_pb2
-    from transfer_svc.engine import State
+    from transfer_svc import State
 
     transports = getattr(args, "transports", None)
     whole, delta = 256, 64
@@ -308,7 +308,7 @@ def pd(args) -> dict:
     from engine.model_runner import ModelRunner
     from engine.sampling_params import SamplingParams
     from protos import registry_pb2
-    from transfer_svc.engine import State
+    from transfer_svc import State
 
     transports = getattr(args, "transports", None)
     model = getattr(args, "model", "llama-3.1-8b")

@@ -24,7 +24,7 @@ Workloads (bytes moved per run in brackets):
   kv_one_page    a one-page delta in the per-layer pool: 60 writes of 12 KiB (latency: see `us`)
 
 Engines:
-  halfmoon-sm / halfmoon-tcp   transfer_svc.engine over UCX `sm` (cma zero-copy) / `tcp`
+  halfmoon-sm / halfmoon-tcp   transfer_svc's engine over UCX `sm` (cma zero-copy) / `tcp`
   halfmoon-sm-peer             UCX_TLS=sm,tcp with UCX error-handling mode PEER (not in the default
                                list: it shows what that mode costs on one host)
   nixl-tcp / nixl-sm           NIXL (nixl-cu12, UCX backend, progress thread on); UCX_TLS=tcp or
@@ -144,7 +144,7 @@ def run_target(engine: str) -> None:
     base = buf.ctypes.data
     keep = None
     if engine.startswith("halfmoon"):
-        from transfer_svc.engine import TransferEngine
+        from transfer_svc import TransferEngine
 
         keep = TransferEngine(f"target-{os.getpid()}", **_halfmoon_args(engine))
         keep.register_memory(base, REGION)
@@ -190,7 +190,7 @@ def run_initiator(engine: str, target: dict) -> None:
     prepared = {}
     if engine.startswith("halfmoon"):
         from protos import registry_pb2
-        from transfer_svc.engine import State, TransferEngine
+        from transfer_svc import State, TransferEngine
 
         eng = TransferEngine(f"init-{os.getpid()}", **_halfmoon_args(engine))
         eng.register_memory(sbase, REGION)

@@ -1,4 +1,4 @@
-"""The transfer registry: gRPC `halfmoon.v1.Registry` (protos/registry.proto, DESIGN.md §5).
+"""The transfer registry: gRPC `halfmoon.v1.Registry` (protos/registry.proto).
 
 Workers (prefill / decode) register a WorkerRecord (role, gRPC and metrics addresses, model, and the
 SegmentDescriptor of their transfer engine) under a lease; heartbeats renew it, a lease not renewed

@@ -1,8 +1,9 @@
 """Thin ctypes binding to the public UCP C API (UCX 1.22 headers), just what the transfer engine uses.
 
 Struct layouts mirror `ucp/api/ucp.h` / `ucp_def.h` of the `libucx-cu12` wheel (UCX 1.22; note that
-`ucp_request_param_t` is 96 bytes there, 72 in older releases). `tests/unit/test_ucp_layout.py`
-compiles a small C program against the wheel's headers and compares every size and offset.
+`ucp_request_param_t` is 96 bytes there, 72 in older releases).
+`tests/integration/test_transfer_ucp_layout.py` compiles a small C program against the wheel's
+headers and compares every size and offset.
 
 Library choice: by default the wheel's `libucp` (`libucx.load_library()`); set `HALFMOON_LIBUCP`
 (or pass `libucp=` to `load()`) to the path of another `libucp.so`, e.g. a system UCX built with
@@ -142,7 +143,7 @@ class ucp_am_recv_param_t(Structure):
     _fields_ = [("recv_attr", c_uint64), ("reply_ep", c_void_p)]
 
 
-# (struct name in C, ctypes class) — checked by tests/unit/test_ucp_layout.py
+# (struct name in C, ctypes class) — checked by tests/integration/test_transfer_ucp_layout.py
 STRUCTS = {
     "ucp_params_t": ucp_params_t,
     "ucp_worker_params_t": ucp_worker_params_t,

@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from transfer_svc.engine import Op, State, TransferEngine  # noqa: E402
-from transfer_svc.peer import PeerProcess  # noqa: E402
+from tests.integration.transfer_peer import PeerProcess  # noqa: E402
+from transfer_svc import Op, State, TransferEngine  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 512 * 1024

@@ -1,6 +1,7 @@
 """Transfer engine between real processes on loopback, over UCX shared memory (`sm`) and `tcp`.
 
-The test process hosts one TransferEngine; peers are `python -m transfer_svc.peer` children.
+The test process hosts one TransferEngine; peers are `python -m tests.integration.transfer_peer`
+children.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import numpy as np
 import pytest
 
 from telemetry import metrics
-from transfer_svc.engine import (BoundsError, DescriptorError, Op, SegmentClosed, State,
-                                 TransferEngine)
-from transfer_svc.peer import PeerProcess, fill_bytes
+from tests.integration.transfer_peer import PeerProcess, fill_bytes
+from transfer_svc import BoundsError, DescriptorError, Op, SegmentClosed, State, TransferEngine
 
 MiB = 1 << 20
 CHUNK = 128 * 1024
@@ -319,8 +319,8 @@ def test_concurrent_submitters(tl, peers, engine_factory):
 def test_concurrent_opens_share_one_endpoint(tl, engine_factory):
     """Threads opening the same peer at once get one Segment; notifies sent through it all arrive.
 
-    Regression: racing opens used to connect one endpoint each and keep only the last, so notifies
-    posted on the others were lost (seen by the PD services under concurrency)."""
+    Two endpoints to one peer would each carry part of the batches and notifies, and the handle
+    that is not kept would orphan what was posted on it."""
     sender = engine_factory("racer", tl)
     receiver = engine_factory("target", tl)
     buf = _buffer(MiB)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tests.integration.test_registry import RegistryProc
-from transfer_svc.engine import SegmentClosed, State, TransferEngine
-from transfer_svc.peer import PeerProcess, fill_bytes
+from tests.integration.transfer_peer import PeerProcess, fill_bytes
+from transfer_svc import SegmentClosed, State, TransferEngine
 from transfer_svc.registry_client import RegistryClient
 
 MiB = 1 << 20

@@ -79,7 +79,7 @@ def test_another_libucp_can_be_chosen(tmp_path):
     import sys
 
     path = os.path.join(_include_dir(), "..", "lib", "libucp.so")
-    code = ("from transfer_svc.engine import TransferEngine; from transfer_svc import ucp; "
+    code = ("from transfer_svc import TransferEngine, ucp; "
             "e = TransferEngine('x', transports='tcp'); print(ucp.load().path); e.close()")
     env = dict(os.environ, HALFMOON_LIBUCP=os.path.abspath(path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -1,7 +1,7 @@
-"""A standalone transfer-engine peer process, driven by JSON lines on stdin (tests and bench/transfer.py).
+"""A standalone transfer-engine peer process for the transfer tests, driven by JSON lines on stdin.
 
-    python -m transfer_svc.peer --name b --transports tcp --size 134217728 [--fill-seed 3]
-                                [--device cuda:0]
+    python -m tests.integration.transfer_peer --name b --transports tcp --size 134217728
+                                              [--fill-seed 3] [--device cuda:0]
 
 Registers one host buffer of `--size` bytes, prints `{"descriptor": <base64 SegmentDescriptor>,
 "base": <addr>}`, then answers one JSON line per command:
@@ -22,12 +22,16 @@ import argparse
 import base64
 import hashlib
 import json
+import os
 import sys
 
 import numpy as np
 
 from protos import registry_pb2
-from transfer_svc.engine import Op, TransferEngine
+from transfer_svc import Op, TransferEngine
+
+# the child runs with the repository root as cwd and first on PYTHONPATH, so it imports this tree
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def fill_bytes(buf: np.ndarray, seed: int) -> None:
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class PeerProcess:
-    """Driver of a `python -m transfer_svc.peer` child process (tests, bench).
+    """Driver of a `python -m tests.integration.transfer_peer` child process.
 
     Starts it, reads its descriptor, and sends commands (`request(dict) -> dict`, raising
     RuntimeError on an error reply or when no reply comes within `timeout` seconds)."""
@@ -145,11 +149,11 @@ class PeerProcess:
                  fill_seed: int | None = None, timeout_s: float = 10.0, registry: str | None = None,
                  role: str = "decode", ttl: int = 10, start_timeout: float = 60.0,
                  device: str = "cpu"):
-        import os
         import subprocess
 
-        cmd = [sys.executable, "-m", "transfer_svc.peer", "--name", name, "--size", str(size),
-               "--timeout", str(timeout_s), "--role", role, "--ttl", str(ttl), "--device", device]
+        cmd = [sys.executable, "-m", "tests.integration.transfer_peer", "--name", name,
+               "--size", str(size), "--timeout", str(timeout_s), "--role", role, "--ttl", str(ttl),
+               "--device", device]
         if transports:
             cmd += ["--transports", transports]
         if fill_seed is not None:
@@ -157,11 +161,10 @@ class PeerProcess:
         if registry:
             cmd += ["--registry", registry]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = _REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
         self.name = name
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env, cwd=root)
+                                     env=env, cwd=_REPO_ROOT)
         first = self._readline(start_timeout)
         self.descriptor = registry_pb2.SegmentDescriptor.FromString(
             base64.b64decode(first["descriptor"]))
@@ -190,8 +193,6 @@ class PeerProcess:
         return self.request({"cmd": "sha256", "offset": offset, "length": length})["sha256"]
 
     def kill(self, sig: int = 9) -> None:
-        import os
-
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
 
