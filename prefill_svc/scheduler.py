@@ -42,7 +42,7 @@ from engine.kvcache.radix_cache import RadixCache
 from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
 from telemetry import metrics as M
-from prefill_svc.destinations import DestinationBook
+from prefill_svc.destinations import DestinationBook, check_destination
 from prefill_svc.kv_runs import PoolGeometry, descriptors, merge_runs
 from pd_common.protocol import ServiceError, drain_jobs, kv_layout, page_checksums, token_logprob
 from pd_common.worker_runtime import bind_cuda_device
@@ -190,7 +190,7 @@ class PrefillScheduler:
             room = room or self._rids.get(request_id, 0)
             found = room in self._known
         if room:
-            found = self.book.abort_pending(room) or found
+            found = self.book.holds(room) or found
         self._inbox.put(("abort", room, request_id, reason, None))
         return found
 
@@ -307,30 +307,13 @@ class PrefillScheduler:
                 dest = self.book.take(job.room)
                 if dest is None:
                     continue
-                why = self._check_destination(job, dest)
+                why = check_destination(dest, len(job.ids), self.ps, self.geometry)
                 if why:
                     job.dest = dest  # so the failure is answered with an ok=false notice
                     self._fail(job, ServiceError(grpc.StatusCode.FAILED_PRECONDITION, why))
                     continue
                 job.dest = dest
                 job.next_page = int(dest.msg.pre_len) // self.ps
-
-    def _check_destination(self, job: PrefillJob, dest: Destination) -> str | None:
-        m = dest.msg
-        n = len(job.ids)
-        why = self.geometry.compatible(dest.geometry)  # first: a D of another --page-size also
-        if why:                                         # miscounts pages, and this names the flag
-            return why
-        if m.prompt_len and m.prompt_len != n:
-            return f"destination prompt_len {m.prompt_len} != prompt length {n}"
-        if m.pre_len < 0 or m.pre_len > n or m.pre_len % self.ps:
-            return f"destination pre_len {m.pre_len} is not a page-aligned length <= {n}"
-        want = -(-n // self.ps) - m.pre_len // self.ps
-        if len(m.dst_page_ids) != want:
-            return f"destination has {len(m.dst_page_ids)} pages; the delta needs {want}"
-        if any(p < 0 or p >= dest.geometry.num_pages for p in m.dst_page_ids):
-            return "destination page id outside the decode pool"
-        return None
 
     def _prefill_step(self) -> None:
         jobs, toks, budget = [], [], self.chunk
