@@ -123,7 +123,7 @@ def test_prefill_names_a_decode_of_another_page_size_before_counting_its_pages()
     """A D of --page-size 32 sends fewer destination pages than P (16) counts for the delta; P's check
     reports the page size (naming --page-size) rather than "destination has 2 pages; the delta needs 3"."""
     from prefill_svc.destinations import check_destination
-    from prefill_svc.scheduler import Destination
+    from prefill_svc.jobs import Destination
     from protos import prefill_pb2
 
     here = _geometry(KVPool(16, layout="page_major", **dict(SHAPE, page_size=16)))
