@@ -1,8 +1,10 @@
 """Prefill service: computes prompts and writes their KV into decode workers' pages.
 
-``scheduler`` (one thread driving the ModelRunner: admission with P's radix cache, chunked prefill,
-delta sends, completion notices, release), ``server`` (gRPC halfmoon.v1.Prefill), ``destinations``
-(D's KVDestination buffered by room with a TTL), ``kv_runs`` (page runs -> transfer descriptors),
-``main`` (``halfmoon serve-prefill``). ``protocol`` and ``runtime`` are shared with decode_svc: the
-PD protocol's validation, conversions and page checksums, and the worker start-up both roles use.
+``scheduler`` (the thread driving the ModelRunner, composing the parts below), ``jobs`` (a request's
+state and D's destination for it), ``admission`` (waiting queue -> KV leases with P's prefix cache),
+``chunked_prefill`` (extend batches, first-token sampling), ``kv_sender`` (delta sends, completion
+notices, the transfer log), ``destinations`` (D's KVDestination buffered by room with a TTL, and its
+checks), ``kv_runs`` (page runs -> transfer descriptors), ``server`` (gRPC halfmoon.v1.Prefill),
+``main`` (``halfmoon serve-prefill``). ``pd_common`` holds what decode_svc shares: the PD protocol's
+validation, conversions and page checksums, the scheduler loop and inbox, and the worker start-up.
 """

@@ -1,13 +1,13 @@
-"""Destination book: D's ``KVDestination`` messages held by room until P's request claims them.
+"""D's destinations on P: ``KVDestination`` messages held by room until P's request claims them.
 
 D and P are called concurrently, so a destination may arrive before P has the request (buffered,
-with a TTL) or after P finished computing (the request waits for it). Aborted rooms leave a
-tombstone for a while so that a late ``SetDestination`` or ``Prefill`` for them is refused instead
-of holding pages forever. Thread-safe: servicer threads offer/abort, the scheduler takes/expires.
+with a TTL) or after P finished computing (the request waits for it). Aborted and ended rooms leave
+a tombstone for a while, so that a late ``SetDestination`` or ``Prefill`` for them is refused
+instead of holding pages forever.
 
-Rule that makes D's page release safe: P answers every destination it *accepted* with exactly one
-KV notice (ok after the data, or ok=false when aborted/expired), so D can quarantine its
-destination pages until that notice (DESIGN.md §3 step 6; anchors §1.14 for the upstream gap).
+What makes D's page release safe: P answers every destination it *accepted* with exactly one KV
+notice (ok after the data, or ok=false when aborted/expired), so D can quarantine its destination
+pages until that notice arrives.
 """
 
 from __future__ import annotations
@@ -16,21 +16,31 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.kvcache.paging import pages_for
+from prefill_svc.kv_runs import PoolGeometry
+
+if TYPE_CHECKING:
+    from prefill_svc.jobs import Destination
 
 
 @dataclass
 class HeldDestination:
-    dest: object  # prefill_pb2.KVDestination
+    dest: object    # anything with a ``room`` (the scheduler holds ``jobs.Destination``)
     arrived: float  # monotonic seconds
 
 
 class DestinationBook:
-    """Room -> destination buffer with a TTL, plus tombstones of aborted rooms.
+    """Room -> destination buffer with a TTL, plus tombstones of aborted/ended rooms.
+
+    Thread-safe: servicer threads offer and abort, the scheduler thread takes and expires.
+    Destinations are any objects with an int-like ``room``.
 
     Args:
         ttl_s: seconds an unclaimed destination is kept (P's "waiting for the request" bound).
         tombstone_s: seconds an aborted/finished room keeps refusing late messages.
-        clock: monotonic clock (tests pass a fake).
+        clock: monotonic clock in seconds (tests pass a fake).
     """
 
     def __init__(self, ttl_s: float, tombstone_s: float = 600.0,
@@ -45,7 +55,7 @@ class DestinationBook:
 
     def offer(self, dest) -> str | None:
         """Buffer ``dest`` under ``dest.room``. Returns None when accepted, else why not
-        ("aborted", "duplicate")."""
+        ("aborted": the room is tombstoned, "duplicate": it has a destination already)."""
         room = int(dest.room)
         with self._lock:
             self._gc_tombstones()
@@ -84,12 +94,13 @@ class DestinationBook:
             held = self._held.pop(room, None)
             return held.dest if held else None
 
-    def abort_pending(self, room: int) -> bool:
-        """Whether a destination for ``room`` is buffered (the scheduler's abort answers it)."""
+    def holds(self, room: int) -> bool:
+        """Whether a destination for ``room`` is buffered (unclaimed)."""
         with self._lock:
             return room in self._held
 
     def is_aborted(self, room: int) -> bool:
+        """Whether ``room`` is tombstoned (aborted or ended)."""
         with self._lock:
             self._gc_tombstones()
             return room in self._tombstones
@@ -116,3 +127,28 @@ class DestinationBook:
         now = self._clock()
         for room in [r for r, t in self._tombstones.items() if t <= now]:
             del self._tombstones[room]
+
+
+def check_destination(dest: Destination, prompt_len: int, page_size: int,
+                      here: PoolGeometry) -> str | None:
+    """Why ``dest`` cannot receive a prompt of ``prompt_len`` tokens from P's pool ``here``, or None.
+
+    The pools' geometry is compared first: a D of another ``--page-size`` also miscounts pages, and
+    the geometry message names the flag. Then D's ``prompt_len`` (0: unset), ``pre_len`` (D's
+    prefix hit: page-aligned, <= prompt_len), the page count of the delta
+    (``ceil(prompt_len / page_size) - pre_len / page_size``) and the page ids' range in D's pool.
+    """
+    m = dest.msg
+    why = here.compatible(dest.geometry)
+    if why:
+        return why
+    if m.prompt_len and m.prompt_len != prompt_len:
+        return f"destination prompt_len {m.prompt_len} != prompt length {prompt_len}"
+    if m.pre_len < 0 or m.pre_len > prompt_len or m.pre_len % page_size:
+        return f"destination pre_len {m.pre_len} is not a page-aligned length <= {prompt_len}"
+    want = pages_for(prompt_len, page_size) - m.pre_len // page_size
+    if len(m.dst_page_ids) != want:
+        return f"destination has {len(m.dst_page_ids)} pages; the delta needs {want}"
+    if any(p < 0 or p >= dest.geometry.num_pages for p in m.dst_page_ids):
+        return "destination page id outside the decode pool"
+    return None

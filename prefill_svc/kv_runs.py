@@ -5,9 +5,9 @@ physical pages ``dst_pages`` (the delta only, in the same order). Consecutive pa
 and destination ids both grow by one form a *run*; each run becomes one descriptor per KV buffer
 (layer_major: per layer per K/V) or, in a page_major pool where a run is one byte range for all
 layers, ONE descriptor (a 4-page run of a 32-layer model: 64 -> 1); every descriptor of a chunk goes
-in one submitted batch.
-Same idea as SGLang's ``group_concurrent_contiguous`` (disaggregation/common/utils.py); the
-DESIGN.md §6 reason: one UCX put costs about 1 µs on shared memory, so O(runs) not O(pages).
+in one submitted batch. Few large writes matter because each transport put has a fixed cost (about
+1 µs over shared memory), so a send costs O(runs), not O(pages). Same idea as SGLang's
+``group_concurrent_contiguous`` (disaggregation/common/utils.py).
 """
 
 from __future__ import annotations

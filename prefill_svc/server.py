@@ -9,20 +9,19 @@ call (router/client gone) aborts its job.
 
 from __future__ import annotations
 
-import logging
-
 import grpc
 
 from engine.errors import InvalidRequestError
+from pd_common.protocol import MAX_ROOM, ServiceError, validate_request
+from prefill_svc.jobs import Destination, PrefillJob
 from prefill_svc.kv_runs import PoolGeometry
-from pd_common.protocol import MAX_ROOM, validate_request
-from prefill_svc.scheduler import Destination, PrefillJob, PrefillScheduler, ServiceError
+from prefill_svc.scheduler import PrefillScheduler
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 
-log = logging.getLogger("halfmoon.prefill")
-
-
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    """Args: scheduler; transfer: the worker's ``TransferEngine`` (its segment name and incarnation
+    answer SetDestination); vocab_size, max_context: the model's, for request validation."""
+
     def __init__(self, scheduler: PrefillScheduler, transfer, worker_id: str, *,
                  vocab_size: int, max_context: int):
         self.sched = scheduler
@@ -41,7 +40,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if why:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         job = PrefillJob(request_id=request.request_id, room=int(request.room),
-                         ids=list(request.input_ids), params=params)
+                         prompt_ids=list(request.input_ids), params=params)
         fut = self.sched.submit(job)
         context.add_callback(lambda: fut.done() or self.sched.abort(job.room, job.request_id,
                                                                     "prefill call cancelled"))

@@ -122,17 +122,15 @@ def test_page_checksums_do_not_depend_on_the_layout():
 def test_prefill_names_a_decode_of_another_page_size_before_counting_its_pages():
     """A D of --page-size 32 sends fewer destination pages than P (16) counts for the delta; P's check
     reports the page size (naming --page-size) rather than "destination has 2 pages; the delta needs 3"."""
-    from types import SimpleNamespace
-
-    from prefill_svc.scheduler import Destination, PrefillScheduler
+    from prefill_svc.destinations import check_destination
+    from prefill_svc.jobs import Destination
     from protos import prefill_pb2
 
     here = _geometry(KVPool(16, layout="page_major", **dict(SHAPE, page_size=16)))
     peer = _geometry(KVPool(16, layout="page_major", **dict(SHAPE, page_size=32)))
     n = 40  # 3 pages of 16 tokens, 2 of 32
     msg = prefill_pb2.KVDestination(room=1, dst_page_ids=[0, 1], pre_len=0, prompt_len=n)
-    sched = SimpleNamespace(geometry=here, ps=16)
-    why = PrefillScheduler._check_destination(sched, SimpleNamespace(ids=[1] * n), Destination(msg, None, peer))
+    why = check_destination(Destination(msg, None, peer), n, 16, here)
     assert why and "--page-size" in why, why
     same = Destination(prefill_pb2.KVDestination(room=1, dst_page_ids=[0, 1, 2], prompt_len=n), None, here)
-    assert PrefillScheduler._check_destination(sched, SimpleNamespace(ids=[1] * n), same) is None
+    assert check_destination(same, n, 16, here) is None

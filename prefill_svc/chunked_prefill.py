@@ -1,0 +1,88 @@
+"""Chunked prefill: one extend batch per iteration over the jobs still computing their prompt.
+
+The batch takes the next tokens of each prefilling job in admission order until the chunk budget
+(``chunked_prefill_size`` tokens) is spent, so a long prompt is computed over several iterations
+while short ones behind it still get a share. A job whose prompt is complete samples its first
+output token from the batch's logits.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.sampler import make_generator, sample
+from prefill_svc.jobs import FirstToken, JobState, PrefillJob
+from telemetry import metrics as M
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+
+class ChunkedPrefill:
+    """Owns the ``PREFILLING`` jobs (admission order) and runs their forwards.
+
+    Args:
+        runner: P's model runner (its pool holds the jobs' KV).
+        chunk_tokens: most prompt tokens in one extend batch.
+    """
+
+    def __init__(self, runner: ModelRunner, chunk_tokens: int):
+        self.runner = runner
+        self.chunk_tokens = chunk_tokens
+        self.prefilling: list[PrefillJob] = []
+
+    def add(self, job: PrefillJob) -> None:
+        self.prefilling.append(job)
+
+    def discard(self, job: PrefillJob) -> None:
+        if job in self.prefilling:
+            self.prefilling.remove(job)
+
+    def step(self) -> None:
+        """Run one extend batch (nothing when no job is prefilling). Jobs whose prompt is complete
+        get ``first`` (and ``rng_state`` when seeded), leave the prefilling list and become
+        ``TRANSFERRING`` (a destination is known) or ``WAIT_DEST``."""
+        jobs, toks, budget = [], [], self.chunk_tokens
+        for job in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(len(job.prompt_ids) - job.computed, budget)
+            jobs.append(job)
+            toks.append(job.prompt_ids[job.computed: job.computed + take])
+            budget -= take
+        if not jobs:
+            return
+        r2t = self.runner.req_to_token_pool.req_to_token
+        loc = torch.cat([r2t[j.lease.row, j.computed: j.computed + len(t)] for j, t in zip(jobs, toks)])
+        batch = ForwardBatch.build(ForwardMode.EXTEND, [j.lease.row for j in jobs],
+                                   [j.computed for j in jobs], toks, loc, self.runner.device)
+        t0 = time.monotonic()
+        logits = self.runner.forward(batch)
+        M.PREFILL_COMPUTE_SECONDS.observe(time.monotonic() - t0)
+        M.PREFILL_BATCH_SIZE.observe(len(jobs))
+        M.PREFILL_BATCH_TOKENS.observe(sum(len(t) for t in toks))
+        done = []
+        for i, (job, t) in enumerate(zip(jobs, toks)):
+            job.computed += len(t)
+            if job.computed == len(job.prompt_ids):
+                done.append((i, job))
+        if done:
+            self._sample_first(logits[[i for i, _ in done]], [j for _, j in done])
+
+    def _sample_first(self, logits: torch.Tensor, done: list[PrefillJob]) -> None:
+        # generators on the logits' device: torch.multinomial needs them there
+        gens = [make_generator(j.params.seed, self.runner.device) if not j.params.greedy else None
+                for j in done]
+        out = sample(logits, [j.params for j in done], gens, [j.prompt_ids for j in done],
+                     [[] for _ in done])
+        for k, job in enumerate(done):
+            job.first = FirstToken(out.token_ids[k], out.logprobs[k], out.top_logprobs[k])
+            if gens[k] is not None:  # D continues the same random stream
+                job.rng_state = bytes(gens[k].get_state().numpy().tobytes())
+            job.t_prefilled = time.monotonic()
+            job.state = JobState.TRANSFERRING if job.dest is not None else JobState.WAIT_DEST
+            self.prefilling.remove(job)

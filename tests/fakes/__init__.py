@@ -1,0 +1,1 @@
+"""In-process fakes of the services' collaborators, for fast scheduler unit tests."""

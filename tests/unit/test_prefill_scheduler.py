@@ -1,0 +1,421 @@
+"""PrefillScheduler in one process: a real (tiny, random-weight) ModelRunner on P, a second KV pool
+standing in for D's, and the in-process fake transport between them (``tests/fakes/transfer.py``).
+
+Covers the delta contract (logical pages ``[pre_len/ps, ceil(len/ps))`` of D's ``pre_len`` go to
+D's pages; the bytes land), P's prefix hit, chunked sends of whole pages, the ok notice, destination
+mismatches, aborts, failed batches, timeouts and admission, with the KV accounting exact after each.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import grpc
+import pytest
+import torch
+
+from engine.config import CONFIGS_DIR, EngineConfig
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.kvcache.kv_pool import KVPool
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from pd_common.protocol import ServiceError, kv_layout, page_checksums
+from prefill_svc.jobs import Destination, JobState, PrefillJob
+from prefill_svc.kv_runs import PoolGeometry
+from prefill_svc.scheduler import PrefillScheduler
+from protos import prefill_pb2
+from tests.fakes.transfer import FakeFabric
+
+PS = 4
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A 2-layer random model (load_format="dummy"), shared by every test's runner."""
+    d = tmp_path_factory.mktemp("tiny")
+    cfg = json.loads((CONFIGS_DIR / "smollm2-135m.json").read_text())
+    cfg.update(TINY)
+    (d / "config.json").write_text(json.dumps(cfg))
+    runner = ModelRunner(_config(str(d)))
+    return runner.model, str(d)
+
+
+def _config(model_dir: str, **kw) -> EngineConfig:
+    kw = dict(dict(page_size=PS, num_pages=48, max_running_requests=4, chunked_prefill_size=64), **kw)
+    return EngineConfig(model=model_dir, load_format="dummy", max_context=256, torch_threads=1, **kw)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 31 + i * 7) % 250 + 3 for i in range(n)]
+
+
+class Pair:
+    """P's scheduler over a fresh pool, and decode pools registered with the fake transport."""
+
+    def __init__(self, model, tmp_path, *, dest_timeout_s: float = 30.0, checksums: bool = False,
+                 **config):
+        self.weights, self.model_dir = model
+        self.runner = ModelRunner(_config(self.model_dir, **config), loaded=(self.weights, None))
+        self.fabric = FakeFabric()
+        self.p = self.fabric.engine("prefill-0")
+        self.p.register_pool(self.runner.kv_pool)
+        self.d_pool, self.d = self.add_decode("decode-0")
+        self._free = {"decode-0": random.Random(0).sample(range(self.d_pool.num_pages), self.d_pool.num_pages)}
+        self.log_path = tmp_path / "transfer.jsonl"
+        self.sched = PrefillScheduler(self.runner, self.p, destination_timeout_s=dest_timeout_s,
+                                      transfer_log=str(self.log_path), checksums=checksums)
+        self.sched.start()
+
+    def add_decode(self, name: str, *, page_size: int = PS, layout: str = "page_major"):
+        mc = self.runner.model_config
+        pool = KVPool(32, page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.runner.dtype,
+                      layout=layout)
+        eng = self.fabric.engine(name)
+        eng.register_pool(pool)
+        eng.publish(kv_layout(pool, self.model_dir))
+        return pool, eng
+
+    # ------------------------------------------------------------------ driving
+    def submit(self, ids, room: int, **params) -> PrefillJob:
+        params.setdefault("temperature", 0.0)
+        job = PrefillJob(request_id=f"r{room}", room=room, prompt_ids=list(ids),
+                         params=SamplingParams(max_tokens=4, **params))
+        self.sched.submit(job)
+        return job
+
+    def destination(self, room: int, n: int, pre_len: int = 0, *, segment: str = "decode-0",
+                    pages: list[int] | None = None, **msg) -> Destination:
+        """D's destination for a prompt of ``n`` tokens with D's prefix hit ``pre_len``: fresh,
+        scattered destination pages (the delta's count unless ``pages``), built like the server does."""
+        if pages is None:
+            k = -(-n // PS) - pre_len // PS
+            pages, self._free[segment] = self._free[segment][:k], self._free[segment][k:]
+        seg = self.sched.open_segment(segment)
+        m = prefill_pb2.KVDestination(**{**dict(room=room, decode_segment=segment, dst_page_ids=pages,
+                                                pre_len=pre_len, prompt_len=n), **msg})
+        return Destination(m, seg, PoolGeometry.from_layout(seg.kv_layout))
+
+    def offer(self, dest: Destination) -> None:
+        assert self.sched.offer_destination(dest) is None
+
+    def notices(self, want: int = 1, timeout: float = 10.0) -> list[prefill_pb2.KVNotice]:
+        """The next ``want`` notices D received (waits up to ``timeout`` seconds)."""
+        out, deadline = [], time.monotonic() + timeout
+        while len(out) < want and time.monotonic() < deadline:
+            out += [prefill_pb2.KVNotice.FromString(n.payload) for n in self.d.wait_notify(0.05)]
+        assert len(out) >= want, out
+        return out
+
+    def no_more_notices(self, wait: float = 0.2) -> None:
+        assert self.d.wait_notify(wait) == []
+
+    def batches(self, room: int) -> list[dict]:
+        return [r for r in self.records() if r["event"] == "batch" and r["room"] == room]
+
+    def records(self) -> list[dict]:
+        return [json.loads(x) for x in self.log_path.read_text().splitlines()] if self.log_path.exists() else []
+
+    def wait_state(self, room: int, state: JobState, timeout: float = 10.0) -> None:
+        assert wait_until(lambda: getattr(self.sched.jobs.get(room), "state", None) is state, timeout), \
+            self.sched.jobs.get(room)
+
+    # ------------------------------------------------------------------ checks
+    def assert_idle_accounting(self):
+        assert wait_until(lambda: (a := self.sched.load().accounting).held_rooms == 0
+                          and a.held_req_slots == 0)
+        a = self.sched.load().accounting
+        assert a.free_pages + a.evictable_pages + a.locked_pages + a.owned_pages == a.total_pages, a
+        assert a.locked_pages == a.min_lock_ref == a.owned_pages == 0, a
+        assert a.held_rooms == a.held_req_slots == 0, a
+        return a
+
+    def assert_pages_landed(self, room: int, dest: Destination) -> list[int]:
+        """Every batch's source pages on P equal its destination pages on D, byte for byte; returns
+        the logical pages sent, in order."""
+        sent = []
+        for rec in self.batches(room):
+            src, dst = torch.tensor(rec["src_pages"]), torch.tensor(rec["dst_pages"])
+            assert rec["dst_pages"] == list(dest.msg.dst_page_ids[len(sent): len(sent) + len(src)])
+            for layer in range(self.d_pool.num_layers):
+                p, d = self.runner.kv_pool, self.d_pool
+                assert torch.equal(p.k_pages(layer)[src], d.k_pages(layer)[dst])
+                assert torch.equal(p.v_pages(layer)[src], d.v_pages(layer)[dst])
+            sent += rec["logical_pages"]
+        return sent
+
+    def reference(self, ids) -> tuple[list[torch.Tensor], int]:
+        """(per layer [K, V] of every position, each [len, kv_heads, head_dim]; greedy first token)
+        from a fresh runner computing the whole prompt at once."""
+        r = ModelRunner(_config(self.model_dir), loaded=(self.weights, None))
+        row = r.req_to_token_pool.alloc()
+        slots = r.allocator.alloc_slots(0, len(ids), None)
+        r.req_to_token_pool.write(row, 0, slots)
+        logits = r.forward(ForwardBatch.build(ForwardMode.EXTEND, [row], [0], [list(ids)], slots, r.device))
+        kv = [t for layer in range(r.kv_pool.num_layers) for t in r.kv_pool.read(layer, slots)]
+        return kv, int(logits[0].argmax())
+
+    def assert_kv_is(self, dest: Destination, ids) -> int:
+        """D's destination pages hold the prompt's K/V from D's pre_len on; returns the reference
+        greedy first token."""
+        kv, first = self.reference(ids)
+        pre = int(dest.msg.pre_len)
+        pos = torch.arange(pre, len(ids))
+        dst = torch.tensor(list(dest.msg.dst_page_ids))
+        d_slots = dst[(pos - pre) // PS] * PS + pos % PS
+        got = [t for layer in range(self.d_pool.num_layers) for t in self.d_pool.read(layer, d_slots)]
+        for g, want in zip(got, kv, strict=True):
+            torch.testing.assert_close(g, want[pre:], atol=1e-5, rtol=1e-4)
+        return first
+
+    def close(self) -> None:
+        self.fabric.release_held()
+        self.sched.stop()
+
+
+def wait_until(pred, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def error_of(job: PrefillJob, timeout: float = 10.0) -> ServiceError:
+    with pytest.raises(ServiceError) as e:
+        job.reply.result(timeout)
+    return e.value
+
+
+@pytest.fixture
+def pair(model, tmp_path):
+    made = []
+
+    def make(**kw) -> Pair:
+        made.append(Pair(model, tmp_path, **kw))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+# ---------------------------------------------------------------------- the delta
+@pytest.mark.parametrize("dest_first", [True, False], ids=["destination-first", "prefill-first"])
+def test_delta_pages_land_and_the_ok_notice_follows(pair, dest_first):
+    pd = pair(checksums=True)
+    ids, room = prompt(1, 22), 11
+    dest = pd.destination(room, len(ids), pre_len=8)
+    if dest_first:
+        pd.offer(dest)
+        job = pd.submit(ids, room)
+    else:
+        job = pd.submit(ids, room)
+        pd.wait_state(room, JobState.WAIT_DEST)
+        pd.offer(dest)
+    res = job.reply.result(10)
+    assert pd.assert_pages_landed(room, dest) == [2, 3, 4, 5]  # [8/4, ceil(22/4))
+    first = pd.assert_kv_is(dest, ids)
+    (notice,) = pd.notices()
+    assert notice.ok and notice.room == room and notice.error == ""
+    assert notice.first_token_id == res.first_token_id == first
+    assert notice.first_logprob == res.first_logprob
+    assert notice.pages_sent == res.pages_sent == 4 and notice.cached_tokens == res.cached_tokens == 0
+    assert list(notice.page_checksums) == page_checksums(pd.d_pool, list(dest.msg.dst_page_ids))
+    assert res.bytes_sent == 4 * pd.runner.kv_pool.page_stride_bytes
+    pd.no_more_notices()
+    pd.assert_idle_accounting()
+
+
+@pytest.mark.parametrize("d_pre", [0, 8, 16])
+def test_p_prefix_hit_still_sends_the_delta_of_ds_pre_len(pair, d_pre):
+    """P caches the first prompt's pages; the second shares 16 tokens with it, so P computes only
+    its tail. What D gets depends on D's pre_len alone, prefix pages from P's cache included."""
+    pd = pair()
+    a = prompt(2, 22)
+    b = a[:16] + prompt(3, 6)
+    pd.offer(pd.destination(1, len(a)))
+    assert pd.submit(a, 1).reply.result(10).cached_tokens == 0
+    dest = pd.destination(2, len(b), pre_len=d_pre)
+    pd.offer(dest)
+    res = pd.submit(b, 2).reply.result(10)
+    assert res.cached_tokens == 16                          # P's hit: 4 full pages
+    assert pd.assert_pages_landed(2, dest) == list(range(d_pre // PS, 6))
+    assert pd.assert_kv_is(dest, b) == res.first_token_id
+    notices = pd.notices(2)
+    assert [n.ok for n in notices] == [True, True] and notices[1].cached_tokens == 16
+    assert notices[1].pages_sent == res.pages_sent == 6 - d_pre // PS
+    acc = pd.assert_idle_accounting()
+    assert acc.evictable_pages == 5 + 5 - 4                  # both prompts' full pages, prefix once
+
+
+def test_chunked_prompt_sends_whole_computed_pages_per_chunk(pair):
+    pd = pair(chunked_prefill_size=6)
+    ids, room = prompt(4, 22), 7
+    dest = pd.destination(room, len(ids))
+    pd.offer(dest)
+    res = pd.submit(ids, room).reply.result(10)
+    # computed 6, 12, 18, 22 tokens: whole pages [0,1), [1,3), [3,4), then the rest with the tail
+    assert [b["logical_pages"] for b in pd.batches(room)] == [[0], [1, 2], [3], [4, 5]]
+    assert pd.assert_pages_landed(room, dest) == list(range(6))
+    assert pd.assert_kv_is(dest, ids) == res.first_token_id
+    assert pd.notices()[0].ok
+    pd.assert_idle_accounting()
+
+
+# ---------------------------------------------------------------------- destination mismatches
+MISMATCHES = {
+    "pre_len": (dict(pre_len=5, pages=[1, 2, 3, 4, 5]), "pre_len 5"),
+    "page count": (dict(pages=[1, 2, 3]), "destination has 3 pages; the delta needs 4"),
+    "prompt_len": (dict(prompt_len=15), "prompt_len 15"),
+    "page id": (dict(pages=[1, 2, 3, 99]), "outside the decode pool"),
+    "page size": (dict(segment="decode-ps8"), "--page-size"),
+    "layout": (dict(segment="decode-lm"), "--kv-layout"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_destination_mismatch_is_failed_precondition_with_an_ok_false_notice(pair, case):
+    pd = pair()
+    pd.add_decode("decode-ps8", page_size=8)
+    pd.add_decode("decode-lm", layout="layer_major")
+    kw, why = MISMATCHES[case]
+    segment = kw.pop("segment", "decode-0")
+    ids, room = prompt(5, 14), 21
+    dest = pd.destination(room, len(ids), segment=segment, pages=kw.pop("pages", [1, 2, 3, 4]), **kw)
+    pd.offer(dest)
+    err = error_of(pd.submit(ids, room))
+    assert err.code is grpc.StatusCode.FAILED_PRECONDITION and why in str(err), err
+    d = pd.fabric.published[segment]
+    (notice,) = [prefill_pb2.KVNotice.FromString(n.payload) for n in d.wait_notify(10)]
+    assert not notice.ok and notice.room == room and why in notice.error
+    assert pd.batches(room) == []
+    pd.assert_idle_accounting()
+
+
+# ---------------------------------------------------------------------- aborts and failures
+def test_abort_before_prefill_answers_the_buffered_destination(pair):
+    pd = pair()
+    ids, room = prompt(6, 10), 31
+    pd.offer(pd.destination(room, len(ids)))
+    assert pd.sched.abort(room, "", "router gave up")        # known: its destination is buffered
+    (notice,) = pd.notices()
+    assert not notice.ok and notice.room == room and "router gave up" in notice.error
+    assert error_of(pd.submit(ids, room)).code is grpc.StatusCode.ABORTED   # tombstoned
+    pd.assert_idle_accounting()
+
+
+def test_abort_while_waiting_for_the_destination(pair):
+    pd = pair()
+    ids, room = prompt(7, 10), 32
+    job = pd.submit(ids, room)
+    pd.wait_state(room, JobState.WAIT_DEST)
+    assert pd.sched.abort(0, job.request_id, "client left")  # by request id
+    err = error_of(job)
+    assert err.code is grpc.StatusCode.CANCELLED and "client left" in str(err)
+    assert pd.sched.offer_destination(pd.destination(room, len(ids))) == "aborted"
+    pd.no_more_notices()                                      # no destination was accepted
+    pd.assert_idle_accounting()
+
+
+def test_abort_while_transferring_keeps_the_source_pages_until_the_batch_ends(pair):
+    pd = pair()
+    ids, room = prompt(8, 22), 33
+    pd.fabric.hold("decode-0")
+    dest = pd.destination(room, len(ids))
+    pd.offer(dest)
+    job = pd.submit(ids, room)
+    assert wait_until(lambda: pd.fabric.held("decode-0") == 1)
+    assert pd.sched.abort(room, "", "cancelled")
+    time.sleep(0.1)
+    assert not job.reply.done()                               # the batch may still read P's pages
+    rep = pd.sched.load()
+    assert rep.transferring_requests == 1 and rep.accounting.held_req_slots == 1
+    assert rep.accounting.owned_pages == 6, rep.accounting      # all 6 pages still allocated
+    pd.fabric.release_held()
+    assert error_of(job).code is grpc.StatusCode.CANCELLED
+    pd.assert_pages_landed(room, dest)
+    # the ok notice was queued behind the data before the abort: D gets it, and nothing else
+    (notice,) = pd.notices()
+    assert notice.ok and notice.room == room
+    pd.no_more_notices()
+    pd.assert_idle_accounting()
+
+
+def test_failed_batch_is_unavailable_with_an_ok_false_notice(pair):
+    pd = pair()
+    ids, room = prompt(9, 22), 34
+    pd.fabric.hold("decode-0")
+    pd.offer(pd.destination(room, len(ids)))
+    job = pd.submit(ids, room)
+    assert wait_until(lambda: pd.fabric.held("decode-0") == 1)
+    pd.fabric.fail_held("peer reset")
+    err = error_of(job)
+    assert err.code is grpc.StatusCode.UNAVAILABLE and "KV transfer failed: peer reset" in str(err)
+    # the handle was dropped with the batch; P reopens the segment for the ok=false notice
+    (notice,) = pd.notices()
+    assert not notice.ok and notice.room == room and "peer reset" in notice.error
+    pd.no_more_notices()
+    pd.assert_idle_accounting()
+
+
+def test_dropped_segment_at_submit_is_unavailable(pair):
+    pd = pair()
+    ids, room = prompt(10, 10), 35
+    dest = pd.destination(room, len(ids))
+    pd.fabric.drop(dest.segment, "peer exited")
+    pd.offer(dest)
+    err = error_of(pd.submit(ids, room))
+    assert err.code is grpc.StatusCode.UNAVAILABLE and "KV transfer to decode failed" in str(err)
+    assert not pd.notices()[0].ok
+    pd.assert_idle_accounting()
+
+
+def test_destination_timeouts_both_ways(pair):
+    pd = pair(dest_timeout_s=0.3)
+    ids = prompt(11, 10)
+    job = pd.submit(ids, 41)                                  # no destination ever
+    pd.offer(pd.destination(42, len(ids)))                    # no request ever
+    err = error_of(job)
+    assert err.code is grpc.StatusCode.DEADLINE_EXCEEDED and "destination" in str(err)
+    (notice,) = pd.notices()
+    assert notice.room == 42 and not notice.ok and "expired" in notice.error
+    pd.assert_idle_accounting()
+
+
+# ---------------------------------------------------------------------- admission
+def test_admission_is_fifo_and_refuses_only_what_can_never_be_freed(pair):
+    pd = pair(num_pages=12)
+    big = prompt(12, 40)                                       # 10 of the 12 pages
+    a = pd.submit(big, 51)                                     # holds its pages: no destination yet
+    pd.wait_state(51, JobState.WAIT_DEST)
+    b = pd.submit(prompt(13, 40), 52)                          # must wait for A's pages
+    c = pd.submit(prompt(14, 4), 53)                           # fits, but FIFO keeps it behind B
+    assert wait_until(lambda: pd.sched.load().waiting_requests == 2)
+    time.sleep(0.1)
+    assert pd.sched.load().waiting_requests == 2
+    for room, ids in ((51, big), (52, prompt(13, 40)), (53, prompt(14, 4))):
+        pd.offer(pd.destination(room, len(ids)))
+    assert [j.reply.result(10).room for j in (a, b, c)] == [51, 52, 53]
+    pd.notices(3)
+    err = error_of(pd.submit(prompt(15, 52), 54))             # 13 pages > 12, nothing to wait for
+    assert err.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    pd.assert_idle_accounting()
+
+
+def test_duplicate_room_and_load_report(pair):
+    pd = pair()
+    ids = prompt(16, 10)
+    a = pd.submit(ids, 61)
+    pd.wait_state(61, JobState.WAIT_DEST)
+    assert error_of(pd.submit(ids, 61)).code is grpc.StatusCode.ALREADY_EXISTS
+    rep = pd.sched.load()
+    assert (rep.waiting_requests, rep.running_requests, rep.transferring_requests) == (0, 1, 0)
+    assert rep.accounting.held_rooms == 1 and rep.accounting.owned_pages == 3
+    pd.offer(pd.destination(61, len(ids)))
+    assert a.reply.result(10).pages_sent == 3
+    pd.assert_idle_accounting()
