@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.device import check_device, device_spec
+from protos.request_guard import InvalidRequestInterceptor
 from telemetry import metrics as M
 
 log = logging.getLogger("halfmoon.worker")
@@ -171,7 +172,8 @@ class Worker:
     def start_server(self, add_service, service_name: str, max_workers: int = 64) -> None:
         a = self.args
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                             thread_name_prefix=f"{self.role}-grpc"))
+                                                             thread_name_prefix=f"{self.role}-grpc"),
+                                  interceptors=[InvalidRequestInterceptor()])
         add_service(self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -341,10 +341,14 @@ class Dispatcher:
             if finish:
                 return
             read = legs.read()
-            done, _ = await asyncio.wait({read, abort_wait}, timeout=max(0.0, deadline - time.monotonic()),
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if abort_wait in done or not done:
+            try:
+                done, _ = await asyncio.wait({read, abort_wait}, timeout=max(0.0, deadline - time.monotonic()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                # the client's deadline cancels this handler while D's call, bound by the same
+                # deadline, may already have failed: the read's exception must still be retrieved
                 _discard(read)
+            if abort_wait in done or not done:
                 if not done:
                     raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                       f"deadline passed after {n_tokens} tokens")
@@ -356,6 +360,8 @@ class Dispatcher:
             chunk = read.result() if exc is None else None
             if exc is not None or chunk is grpc.aio.EOF:
                 code, detail = _code_of(exc) if exc is not None else (grpc.StatusCode.UNAVAILABLE, "stream ended without a finish reason")
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline:
+                    raise RouterError(code, f"deadline passed after {n_tokens} tokens")
                 if code == grpc.StatusCode.UNAVAILABLE:
                     probe = asyncio.ensure_future(self.pool.probe(legs.d))
                     self._background.add(probe)

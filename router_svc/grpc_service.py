@@ -2,13 +2,36 @@
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import time
 
+from grpc._cython.cygrpc import ExecuteBatchError
 
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import RouterError
 from router_svc.validation import prepare
+
+log = logging.getLogger("halfmoon.router.grpc")
+
+# the servicer context of the Generate call this task runs, for SendAfterDeadlineFilter
+_CALL: contextvars.ContextVar = contextvars.ContextVar("halfmoon_router_call")
+
+
+class SendAfterDeadlineFilter(logging.Filter):
+    """For grpc.aio's logger: a send that fails in core is logged at ERROR with a traceback unless
+    grpc.aio has already seen the call's cancellation, and at the client's deadline the two race (a
+    stream whose last message or status goes out at that instant). A failed send on a call whose
+    deadline has passed is that deadline, not an error: logged at DEBUG instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = _CALL.get(None)
+        if (ctx is None or not record.exc_info or not isinstance(record.exc_info[1], ExecuteBatchError)
+                or ctx.time_remaining() != 0):
+            return True
+        log.debug("send after the client's deadline failed: %s", record.getMessage())
+        return False
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -23,6 +46,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
+        _CALL.set(context)
         try:
             prep = prepare(request, self.d.tok)
         except RouterError as exc:
@@ -51,4 +75,4 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return out
 
 
-__all__ = ["RouterServicer"]
+__all__ = ["RouterServicer", "SendAfterDeadlineFilter"]

@@ -28,8 +28,9 @@ from grpc_reflection.v1alpha import reflection
 from engine.model_store import DEFAULT_MODEL, resolve_model
 from telemetry.metrics import start_metrics_server, stop_metrics_servers
 from protos import router_pb2, router_pb2_grpc
+from protos.request_guard import AioInvalidRequestInterceptor
 from router_svc.dispatch import Dispatcher
-from router_svc.grpc_service import RouterServicer
+from router_svc.grpc_service import RouterServicer, SendAfterDeadlineFilter
 from router_svc.openai_api import build_app
 from router_svc.policies import POLICY_NAMES, make_policy
 from router_svc.pool import WorkerPool
@@ -75,7 +76,8 @@ async def serve(args: argparse.Namespace) -> int:
     if not args.registry and not (args.prefill and args.decode):
         raise SystemExit("serve-router: give --registry, or both --prefill and --decode")
 
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    logging.getLogger("grpc._cython.cygrpc").addFilter(SendAfterDeadlineFilter())
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[AioInvalidRequestInterceptor()])
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(dispatcher), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

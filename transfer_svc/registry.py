@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from telemetry import metrics
 from protos import registry_pb2, registry_pb2_grpc
+from protos.request_guard import InvalidRequestInterceptor
 from transfer_svc.digest import descriptor_digest
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,8 @@ def serve(host: str = "127.0.0.1", port: int = 0, *, default_ttl_s: int = 10,
     bound port). Each open WatchWorkers stream holds one of `max_workers` threads (every
     RegistryClient keeps one), so size it above the number of workers + routers."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                    thread_name_prefix="registry"))
+                                                    thread_name_prefix="registry"),
+                         interceptors=[InvalidRequestInterceptor()])
     servicer = RegistryServicer(default_ttl_s=default_ttl_s)
     registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()

@@ -123,6 +123,37 @@ def start_registry(log_dir: Path, ttl: int = 5) -> Proc:
     return p
 
 
+def start_router(log_dir: Path, *, registry: str = "", prefill: list[str] = (), decode: list[str] = (),
+                 model: str = MODEL, extra: list[str] = ()) -> Proc:
+    """Start ``halfmoon serve-router`` on free ports, with workers from ``registry`` or static
+    ``prefill`` / ``decode`` addresses; ``address`` is its gRPC address."""
+    args = ["serve-router", "--model", model, "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
+            "--metrics-port", "0", "--health-interval", "0.2"]
+    args += ["--registry", registry] if registry else ["--prefill", ",".join(prefill), "--decode", ",".join(decode)]
+    p = _spawn("router", args + list(extra), log_dir)
+    p.address = p.wait_line(r"READY router grpc=(\S+)", timeout=120).group(1)
+    return p
+
+
+def wait_router_sees(router: Proc, n: int, timeout: float = 60.0) -> None:
+    """Wait until ``router`` lists ``n`` healthy workers."""
+    from protos import router_pb2, router_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(router.address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        while sum(w.healthy for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers) < n:
+            assert time.monotonic() < deadline, f"router does not see {n} healthy workers:\n{router.log()[-4000:]}"
+            time.sleep(0.1)
+
+
+def assert_clean_log(proc: Proc) -> None:
+    """No traceback and no ERROR line in ``proc``'s log."""
+    text = proc.log()
+    bad = [line for line in text.splitlines() if "Traceback" in line or re.search(r"\bERROR\b", line)]
+    assert not bad, f"{proc.name} logged errors:\n{text[-6000:]}"
+
+
 def start_worker(role: str, registry: str, log_dir: Path, worker_id: str, *, model: str = MODEL,
                  page_size: int = 16, num_pages: int | None = None, kv_memory_mb: float = 64,
                  extra: list[str] = (), wait: bool = True) -> Proc:
