@@ -441,7 +441,7 @@ def test_abort_while_waiting_and_running(model, reference):
 
 
 def test_kv_wait_timeout_then_fence_timeout(model):
-    d = Decode(model, kv_wait_timeout_s=0.05, fence_timeout_s=0.2)
+    d = Decode(model, kv_wait_timeout_s=0.05, fence_timeout_s=1.0)
     job = d.submit(PROMPT)
     d.tick()
     time.sleep(0.08)
@@ -449,8 +449,8 @@ def test_kv_wait_timeout_then_fence_timeout(model):
     assert code(outcome(job)[1]) is grpc.StatusCode.DEADLINE_EXCEEDED
     assert len(d.net.aborts) == 1 and d.load().accounting.held_rooms == 1
     d.tick()
-    assert d.load().accounting.owned_pages == 3  # still fenced
-    time.sleep(0.25)
+    assert d.load().accounting.owned_pages == 3  # still fenced: P may be writing
+    time.sleep(1.05)
     d.tick()
     d.assert_idle()
 
