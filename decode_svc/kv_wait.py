@@ -100,7 +100,8 @@ class KVWaitQueue:
 
     def on_notice(self, msg: Notice) -> Committed | None:
         """Check and commit the room's delta; returns the job ready for the decode batch, or None
-        (failed, quarantined room released, or nothing to do)."""
+        (failed, quarantined room released, or nothing to do). The job stays in this queue until
+        the caller ``discard``s it, once the batch took it."""
         try:
             notice = prefill_pb2.KVNotice.FromString(msg.payload)
         except Exception:
@@ -123,7 +124,6 @@ class KVWaitQueue:
             self._fail(job, ServiceError(grpc.StatusCode.DATA_LOSS, error))
             return None
         self._commit(job, notice)
-        del self._jobs[room]  # only now: a commit that raises leaves the job to the KV-wait timeout
         wants_lp = job.params.logprobs or job.params.top_logprobs
         return job, int(notice.first_token_id), notice.first_logprob if wants_lp else None
 

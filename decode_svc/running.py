@@ -62,10 +62,12 @@ class RunningBatch:
         return self.waiting + self.running
 
     def start(self, job: DecodeJob, token: int, logprob: common_pb2.TokenLogprob | None) -> None:
-        """A committed job with P's first token: it waits for a slot; the token is streamed now."""
-        job.state = JobState.WAITING
-        bisect.insort(self.waiting, job, key=_by_arrival)
+        """A committed job: P's first token is streamed now, then the job waits for a slot (unless
+        that token finished it)."""
         self.emit(job, token, logprob, first=True)
+        if job.state is not JobState.DONE:
+            job.state = JobState.WAITING
+            bisect.insort(self.waiting, job, key=_by_arrival)
 
     def remove(self, job: DecodeJob) -> None:
         """The job ended: out of the batch; its KV is freed now, or after the step in flight."""

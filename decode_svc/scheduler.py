@@ -162,6 +162,8 @@ class DecodeScheduler(SchedulerLoop):
                 committed = self.kv_wait.on_notice(msg)
                 if committed is not None:
                     self.running.start(*committed)
+                    # only now: a commit or first token that raised leaves the job to the KV-wait timeout
+                    self.kv_wait.discard(committed[0])
             case DestResult():
                 self.kv_wait.on_dest_result(msg)
             case PeerGone():
