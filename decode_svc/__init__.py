@@ -1,7 +1,10 @@
 """Decode service: pre-allocates KV for the delta, receives it from a prefill worker, decodes.
 
-``scheduler`` (one thread: pre-allocation with D's radix cache, KV wait, commit, continuous decode
-batch, quarantine of pages P may still write), ``prebuilt`` (the first batch's ``out_cache_loc``),
-``peers`` (SetDestination / Abort / liveness toward prefill workers, off the scheduler thread),
-``server`` (gRPC halfmoon.v1.Decode), ``main`` (``halfmoon serve-decode``).
+``scheduler`` (the one thread owning D's KV: composes ``prealloc`` (FIFO pre-allocation with D's
+radix cache), ``kv_wait`` (P's notice, commit, KV-wait timeouts, liveness), ``running`` and
+``overlap`` (the continuous decode batch) and ``quarantine`` (pages P may still write)), ``jobs``
+(a request and its states), ``messages`` (what the scheduler says to P and hears back), ``prebuilt``
+(the first batch's ``out_cache_loc``), ``peers`` (SetDestination / Abort / liveness toward prefill
+workers, off the scheduler thread), ``server`` (gRPC halfmoon.v1.Decode), ``main``
+(``halfmoon serve-decode``).
 """

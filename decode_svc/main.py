@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from protos import decode_pb2, decode_pb2_grpc
 
     w = Worker(args, "decode")
-    # rows: running requests + as many pre-allocated/transferring ones (anchors §1.5)
+    # rows: running requests + as many pre-allocated/transferring ones, which hold a row while they
+    # wait for KV without taking a running slot
     runner = ModelRunner(engine_config(args, 2 * args.max_running_requests))
     transfer = w.start_transfer(runner)
     tok = _tokenizer(runner, args.model)
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     overlap = args.overlap_schedule == "on" or (args.overlap_schedule == "auto" and runner.device.type == "cuda")
     logging.getLogger("halfmoon.decode").info("overlap schedule: %s (--overlap-schedule %s)",
                                               "on" if overlap else "off", args.overlap_schedule)
-    peers = PrefillPeers(lambda *m: holder["s"].post(*m), registry=w.registry)
+    peers = PrefillPeers(lambda msg: holder["s"].post(msg), registry=w.registry)
     sched = DecodeScheduler(runner, transfer, peers, segment_name=transfer.name,
                             eos_token_ids=runner.model_config.eos_token_ids, tokenizer=tok,
                             max_running=args.max_running_requests,

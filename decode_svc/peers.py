@@ -1,10 +1,10 @@
-"""D's network side toward prefill workers: SetDestination, Abort and liveness checks, run on a
-small thread pool so the decode scheduler never blocks on the network. Results go back to the
-scheduler as messages (``DecodeScheduler.post``).
+"""D's network side toward prefill workers (``decode_svc.messages.PrefillNet``): SetDestination,
+Abort and liveness checks, run on a small thread pool so the decode scheduler never blocks on the
+network. Results go back to the scheduler as messages (``DecodeScheduler.post``).
 
-SetDestination outcomes: ``accepted`` (P will answer with exactly one notice), ``rejected`` (P
-answered with a definite error: it holds nothing for the room, so D's pages are free to reuse),
-``unknown`` (timeout / unreachable: P may or may not have it; D quarantines the pages).
+SetDestination outcomes (``DestResult.state``): ACCEPTED (P will answer with exactly one notice),
+REJECTED (P answered with a definite error: it holds nothing for the room, so D's pages are free to
+reuse), UNKNOWN (timeout / unreachable: P may or may not have it; D quarantines the pages).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from decode_svc.jobs import DestState
+from decode_svc.messages import DestResult, PeerGone
 from protos import common_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("halfmoon.decode")
@@ -27,7 +29,7 @@ class PrefillPeers:
     """gRPC stubs per prefill address + the registry for liveness.
 
     Args:
-        post: callable(*msg) delivering results to the scheduler.
+        post: callable(msg) delivering a ``DestResult`` or ``PeerGone`` to the scheduler.
         registry: ``transfer_svc.registry_client.RegistryClient`` (liveness), or None.
         rpc_timeout_s: deadline of SetDestination / Abort calls.
     """
@@ -56,15 +58,15 @@ class PrefillPeers:
             room = int(dest.room)
             try:
                 resp = self._stub(address).SetDestination(dest, timeout=self.rpc_timeout_s)
-                self._post("dest", room, "accepted", resp.prefill_segment, resp.incarnation, "")
+                self._post(DestResult(room, DestState.ACCEPTED, resp.prefill_segment, resp.incarnation))
             except grpc.RpcError as e:
-                state = "unknown" if e.code() in _AMBIGUOUS else "rejected"
+                state = DestState.UNKNOWN if e.code() in _AMBIGUOUS else DestState.REJECTED
                 details = (e.details() or "").lower()
                 if e.code() == grpc.StatusCode.UNAVAILABLE and ("connect" in details or "refused" in details):
-                    state = "rejected"  # never reached P: nothing was accepted
-                self._post("dest", room, state, "", "", f"{e.code().name}: {e.details()}")
+                    state = DestState.REJECTED  # never reached P: nothing was accepted
+                self._post(DestResult(room, state, error=f"{e.code().name}: {e.details()}"))
             except Exception as e:  # never lose the outcome
-                self._post("dest", room, "unknown", "", "", repr(e))
+                self._post(DestResult(room, DestState.UNKNOWN, error=repr(e)))
 
         self._pool.submit(call)
 
@@ -80,7 +82,7 @@ class PrefillPeers:
         self._pool.submit(call)
 
     def check_alive(self, peers: set[tuple[str, str]]) -> None:
-        """For each (segment, incarnation): post ("peer_gone", segment, incarnation) when the
+        """For each (segment, incarnation): post ``PeerGone(segment, incarnation)`` when the
         registry no longer has that incarnation, or its same-host owner process exited."""
         if self.registry is None or self._checking:
             return
@@ -95,7 +97,7 @@ class PrefillPeers:
                     try:
                         desc = self.registry.get_segment(seg, refresh=True)
                     except KeyError:
-                        self._post("peer_gone", seg, inc)
+                        self._post(PeerGone(seg, inc))
                         continue
                     except grpc.RpcError:
                         continue  # registry unreachable: decide nothing
@@ -103,7 +105,7 @@ class PrefillPeers:
                     if not gone and desc.host_id == me and desc.pid > 0:
                         gone = pid_start_ticks(desc.pid) != desc.pid_start_ticks
                     if gone:
-                        self._post("peer_gone", seg, inc)
+                        self._post(PeerGone(seg, inc))
             except Exception:
                 log.exception("liveness check")
             finally:

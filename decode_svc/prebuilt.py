@@ -1,15 +1,17 @@
 """The prebuilt first batch on D: which slots hold the transferred (delta) KV of a request.
 
 D writes a request's ``req_to_token`` row as ``[prefix_locs (0..pre_len) | delta_locs
-(pre_len..seq_len)]`` (DESIGN.md §3 step 2), so the slots P's transfer filled — the prebuilt
-batch's ``out_cache_loc`` — are ``req_to_token[row, pre_len : pre_len + extend_len]``. Reading
-``[:extend_len]`` instead (the seed's bug, and SGLang's before #24230, anchors §1.7) names the
-*prefix* slots whenever ``pre_len > 0``: D would then verify, and account for, the wrong pages.
+(pre_len..seq_len)]``, so the slots P's transfer filled — the prebuilt batch's ``out_cache_loc`` —
+are ``req_to_token[row, pre_len : pre_len + extend_len]``. Reading ``[:extend_len]`` instead (an
+easy slip, and SGLang's bug before #24230) names the *prefix* slots whenever ``pre_len > 0``: D
+would then verify, and account for, the wrong pages.
 """
 
 from __future__ import annotations
 
 import torch
+
+from engine.kvcache.paging import pages_of_slots
 
 
 def prebuilt_out_cache_loc(req_to_token: torch.Tensor, row: int, pre_len: int,
@@ -31,6 +33,4 @@ def prebuilt_out_cache_loc(req_to_token: torch.Tensor, row: int, pre_len: int,
 
 def delta_pages(out_cache_loc: torch.Tensor, page_size: int) -> list[int]:
     """Page ids of the delta (``out_cache_loc`` starts on a page boundary): one per page, in order."""
-    if out_cache_loc.numel() == 0:
-        return []
-    return (out_cache_loc[::page_size] // page_size).tolist()
+    return pages_of_slots(out_cache_loc, page_size)

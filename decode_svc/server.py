@@ -12,9 +12,10 @@ import logging
 
 import grpc
 
-from decode_svc.scheduler import DecodeJob, DecodeScheduler, ServiceError
+from decode_svc.jobs import DecodeJob
+from decode_svc.scheduler import DecodeScheduler
 from engine.errors import InvalidRequestError
-from pd_common.protocol import validate_request
+from pd_common.protocol import ServiceError, validate_request
 from protos import common_pb2, decode_pb2_grpc
 
 log = logging.getLogger("halfmoon.decode")
@@ -43,13 +44,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if why:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         job = DecodeJob(request_id=request.request_id, room=int(request.room),
-                        ids=list(request.input_ids), params=params,
+                        prompt_ids=list(request.input_ids), params=params,
                         prefill_address=request.prefill_address,
                         prefill_worker_id=request.prefill_worker_id)
         if params.stop:
             from engine.detokenizer import IncrementalDetokenizer
 
-            job.detok = IncrementalDetokenizer(self.tokenizer, job.ids, params.stop,
+            job.detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, params.stop,
                                                params.skip_special_tokens)
         self.sched.submit(job)
         context.add_callback(lambda: job.finish_reason or self.sched.abort(

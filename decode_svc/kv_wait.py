@@ -1,0 +1,171 @@
+"""Requests whose destination went to P, waiting for the delta's KV and P's notice.
+
+On P's notice the delta is checked and committed: the notice's page count (and checksums with
+``--kv-checksums``) against the prebuilt batch's ``out_cache_loc = req_to_token[row,
+pre_len:prompt_len]`` (the slots P filled; never ``row[:n]``, which are the prefix's when D had a
+hit), then the prompt's full pages go into D's radix cache and the request moves on with P's first
+token. This queue also follows SetDestination outcomes, fails requests whose KV does not come in
+time, and polls the liveness of the prefill workers that may still write D's pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from decode_svc.jobs import DecodeJob, DestState, JobState
+from decode_svc.messages import DestResult, Notice, PeerGone, PrefillNet
+from decode_svc.prebuilt import delta_pages, prebuilt_out_cache_loc
+from decode_svc.quarantine import Quarantine
+from engine.kvcache.cache_manager import CacheManager
+from engine.sampler import make_generator
+from pd_common.protocol import ServiceError, page_checksums
+from protos import common_pb2, prefill_pb2
+from telemetry import metrics as M
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+log = logging.getLogger("halfmoon.decode")
+
+# (job, P's first token id, its TokenLogprob when the request asked for logprobs, else None)
+Committed = tuple[DecodeJob, int, common_pb2.TokenLogprob | None]
+
+
+class KVWaitQueue:
+    """TRANSFER jobs by room (scheduler thread only).
+
+    Args:
+        runner: D's ModelRunner (its KV pool for checksums and byte counts, its device for samplers).
+        kv: D's CacheManager (commit of the prompt's pages).
+        net: toward prefill workers (abort, liveness).
+        quarantine: rooms whose pages P may still write (their notices and results are its own).
+        fail: ends a job with an error (the scheduler's, which also quarantines and aborts on P).
+        checksums: verify ``KVNotice.page_checksums`` over the destination pages.
+        timeout_s: a request waiting for KV this long fails with DEADLINE_EXCEEDED.
+        liveness_interval_s: seconds between liveness checks of the prefill workers.
+    """
+
+    def __init__(self, runner: ModelRunner, kv: CacheManager, net: PrefillNet, quarantine: Quarantine,
+                 fail: Callable[[DecodeJob, ServiceError], None], *, checksums: bool, timeout_s: float,
+                 liveness_interval_s: float):
+        self.runner = runner
+        self.kv = kv
+        self.net = net
+        self.quarantine = quarantine
+        self._fail = fail
+        self.checksums = checksums
+        self.timeout_s = timeout_s
+        self.liveness_interval_s = liveness_interval_s
+        self._jobs: dict[int, DecodeJob] = {}  # insertion order = arrival order (prealloc is FIFO)
+        self._last_liveness = 0.0
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def add(self, job: DecodeJob) -> None:
+        job.state = JobState.TRANSFER
+        self._jobs[job.room] = job
+
+    def discard(self, job: DecodeJob) -> None:
+        self._jobs.pop(job.room, None)
+
+    # ------------------------------------------------------------------ messages
+    def on_dest_result(self, msg: DestResult) -> None:
+        log.debug("destination room=%d %s %s", msg.room, msg.state.value, msg.error)
+        job = self._jobs.get(msg.room)
+        if job is None:
+            self.quarantine.on_dest_result(msg)
+            return
+        job.dest_state = msg.state
+        job.prefill_segment, job.prefill_incarnation = msg.segment, msg.incarnation
+        if msg.state is not DestState.ACCEPTED:
+            code = grpc.StatusCode.UNAVAILABLE if msg.state is DestState.UNKNOWN else grpc.StatusCode.ABORTED
+            self._fail(job, ServiceError(code, f"prefill did not take the KV destination: {msg.error}"))
+        elif job.aborted:
+            self.net.abort(job.prefill_address, msg.room, job.request_id, job.aborted)
+
+    def on_peer_gone(self, msg: PeerGone) -> None:
+        for job in list(self._jobs.values()):
+            if msg.matches(job.prefill_segment, job.prefill_incarnation):
+                job.dest_state = DestState.PEER_GONE
+                self._fail(job, ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                             f"prefill worker {msg.segment} is gone"))
+        self.quarantine.on_peer_gone(msg)
+
+    def on_notice(self, msg: Notice) -> Committed | None:
+        """Check and commit the room's delta; returns the job ready for the decode batch, or None
+        (failed, quarantined room released, or nothing to do). The job stays in this queue until
+        the caller ``discard``s it, once the batch took it."""
+        try:
+            notice = prefill_pb2.KVNotice.FromString(msg.payload)
+        except Exception:
+            log.warning("undecodable notice from %s (%d bytes)", msg.sender, len(msg.payload))
+            return None
+        room = int(notice.room)
+        log.debug("notice room=%d ok=%s pages=%d from %s", room, notice.ok, notice.pages_sent, msg.sender)
+        if self.quarantine.release(room):
+            return None
+        job = self._jobs.get(room)
+        if job is None:
+            log.info("notice for unknown room %d from %s ignored", room, msg.sender)
+            return None
+        job.dest_state = DestState.ANSWERED
+        if not notice.ok:
+            self._fail(job, ServiceError(grpc.StatusCode.UNAVAILABLE, f"prefill failed: {notice.error}"))
+            return None
+        error = self._check_delta(job, notice)
+        if error:
+            self._fail(job, ServiceError(grpc.StatusCode.DATA_LOSS, error))
+            return None
+        self._commit(job, notice)
+        wants_lp = job.params.logprobs or job.params.top_logprobs
+        return job, int(notice.first_token_id), notice.first_logprob if wants_lp else None
+
+    def _check_delta(self, job: DecodeJob, notice: prefill_pb2.KVNotice) -> str:
+        """What is wrong with the delta P says it sent ("" when nothing); records the transfer."""
+        lease, n = job.lease, len(job.prompt_ids)
+        loc = prebuilt_out_cache_loc(self.kv.r2t.req_to_token, lease.row, lease.pre_len, n - lease.pre_len)
+        pages = delta_pages(loc, self.kv.page_size)
+        if notice.pages_sent != len(pages):
+            return f"prefill sent {notice.pages_sent} pages, {len(pages)} expected"
+        pool = self.runner.kv_pool
+        if self.checksums and list(notice.page_checksums) != page_checksums(pool, pages):
+            return f"KV checksum mismatch on room {job.room}"
+        job.pages_transferred = len(pages)
+        job.bytes_transferred = len(pages) * pool.page_bytes * 2 * pool.num_layers
+        return ""
+
+    def _commit(self, job: DecodeJob, notice: prefill_pb2.KVNotice) -> None:
+        M.DECODE_KV_WAIT_SECONDS.observe(time.monotonic() - job.t_prealloc)
+        job.cached_tokens = int(notice.cached_tokens)
+        job.kv_len = len(job.prompt_ids)
+        self.kv.commit(job.lease, job.prompt_ids)
+        if not job.params.greedy:
+            job.generator = make_generator(job.params.seed, self.runner.device)
+            if notice.sampler_state:
+                job.generator.set_state(torch.frombuffer(bytearray(notice.sampler_state), dtype=torch.uint8))
+
+    # ------------------------------------------------------------------ time
+    def expire(self, now: float) -> None:
+        """Fail the requests that waited longer than the KV-wait timeout (``now``: time.monotonic())."""
+        for job in list(self._jobs.values()):
+            if now - job.t_prealloc > self.timeout_s:
+                self._fail(job, ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                             f"no KV from prefill within {self.timeout_s:g} s"))
+
+    def poll_liveness(self, now: float) -> None:
+        """Every ``liveness_interval_s``: ask whether the prefill workers that may still write D's
+        pages (waiting requests' and quarantined rooms') are alive."""
+        if now - self._last_liveness <= self.liveness_interval_s:
+            return
+        self._last_liveness = now
+        peers = {(j.prefill_segment, j.prefill_incarnation) for j in self._jobs.values() if j.prefill_segment}
+        peers |= self.quarantine.peers()
+        if peers:
+            self.net.check_alive(peers)

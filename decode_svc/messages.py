@@ -1,0 +1,61 @@
+"""What D's scheduler says to prefill workers (``PrefillNet``) and what comes back to its inbox.
+
+The scheduler thread never blocks on the network: ``PrefillNet`` calls return at once and their
+outcomes come back later as ``DestResult`` / ``PeerGone`` messages; P's notices (sent after the
+KV data, through the transfer engine) come back as ``Notice``. The messages both PD workers take
+(``Submit``, ``Abort``, ``LoadQuery``, ``Wake``) are in ``pd_common.inbox``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from decode_svc.jobs import DestState
+from protos import prefill_pb2
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A notice P sent after a room's KV data: ``payload`` is a serialized ``prefill_pb2.KVNotice``;
+    ``sender`` is P's segment name."""
+
+    sender: str
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class DestResult:
+    """How SetDestination for ``room`` ended: ACCEPTED (with P's segment and incarnation), REJECTED
+    or UNKNOWN (``error`` says why)."""
+
+    room: int
+    state: DestState
+    segment: str = ""
+    incarnation: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class PeerGone:
+    """Prefill segment ``segment`` is gone (``incarnation`` "": whatever incarnation it had)."""
+
+    segment: str
+    incarnation: str
+
+    def matches(self, segment: str, incarnation: str) -> bool:
+        """Whether a peer known as (segment, incarnation) is the one gone."""
+        return segment == self.segment and (not self.incarnation or incarnation == self.incarnation)
+
+
+class PrefillNet(Protocol):
+    """D's calls toward prefill workers (``decode_svc.peers.PrefillPeers``); none of them blocks."""
+
+    def set_destination(self, address: str, dest: prefill_pb2.KVDestination, request_id: str) -> None:
+        """Send ``dest`` to P at ``address`` (gRPC host:port); the outcome comes back as DestResult."""
+
+    def abort(self, address: str, room: int, request_id: str, reason: str) -> None:
+        """Ask P to drop the room (best effort; P still answers an accepted destination once)."""
+
+    def check_alive(self, peers: set[tuple[str, str]]) -> None:
+        """For each (segment, incarnation) that no longer lives, a PeerGone comes back."""
