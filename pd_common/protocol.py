@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import queue
 import zlib
 from collections.abc import Sequence
 
@@ -30,19 +29,6 @@ class ServiceError(Exception):
     def __init__(self, code, message: str):
         self.code = code
         super().__init__(message)
-
-
-def drain_jobs(inbox: queue.Queue) -> list:
-    """Jobs a scheduler's inbox still holds (``("job", job)`` items), taken without blocking; used at
-    shutdown to answer callers the loop never saw."""
-    jobs = []
-    while True:
-        try:
-            item = inbox.get_nowait()
-        except queue.Empty:
-            return jobs
-        if item[0] == "job":
-            jobs.append(item[1])
 
 
 def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
@@ -139,11 +125,3 @@ def page_checksums(kv_pool, pages: Sequence[int]) -> list[int]:
                             for t in (kv_pool.k_pages(layer), kv_pool.v_pages(layer))])  # [2L, ps, kvh, hd]
         out.append(zlib.crc32(page.cpu().contiguous().view(torch.uint8).numpy().tobytes()))
     return out
-
-
-def pages_of_slots(slots: torch.Tensor, page_size: int) -> list[int]:
-    """Page ids of a page-aligned run of slots (int64 [N], N a multiple of page_size, or a tail)."""
-    if slots.numel() == 0:
-        return []
-    s = slots.to("cpu", torch.int64)
-    return (s[::page_size] // page_size).tolist()

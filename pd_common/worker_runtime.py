@@ -92,7 +92,7 @@ def ucx_transports(spec: str, device: str) -> str | None:
 
     "auto": "sm" for a CPU pool (shared memory between the processes of one host); None for a CUDA
     pool, so that UCX can use cuda_copy / cuda_ipc for GPU memory (the setting bench/gpu_transfer.py
-    measured GPU -> GPU over cuda_ipc with, research/FACTS.md). "all": None on any device.
+    measured GPU -> GPU over cuda_ipc with). "all": None on any device.
     """
     if spec == "all" or (spec == "auto" and device.startswith("cuda")):
         return None
