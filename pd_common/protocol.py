@@ -31,27 +31,23 @@ class ServiceError(Exception):
         super().__init__(message)
 
 
+def _top_k(v: int) -> int:
+    return -1 if v == 0 else int(v)  # proto 0 = engine -1 (off); < -1 is rejected by validate()
+
+
+# Optional SamplingParams fields: (name, conversion) of those copied when set; unset ones keep the
+# engine defaults
+_OPTIONAL_FIELDS = (("temperature", float), ("top_p", float), ("top_k", _top_k), ("min_p", float),
+                    ("seed", int), ("repetition_penalty", float), ("frequency_penalty", float),
+                    ("presence_penalty", float), ("max_tokens", int))
+
+
 def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
     """Proto -> engine SamplingParams; unset optional fields take the engine defaults."""
     p = SamplingParams()
-    if sp.HasField("temperature"):
-        p.temperature = float(sp.temperature)
-    if sp.HasField("top_p"):
-        p.top_p = float(sp.top_p)
-    if sp.HasField("top_k"):
-        p.top_k = -1 if sp.top_k == 0 else int(sp.top_k)  # < -1 is rejected by validate()
-    if sp.HasField("min_p"):
-        p.min_p = float(sp.min_p)
-    if sp.HasField("seed"):
-        p.seed = int(sp.seed)
-    if sp.HasField("repetition_penalty"):
-        p.repetition_penalty = float(sp.repetition_penalty)
-    if sp.HasField("frequency_penalty"):
-        p.frequency_penalty = float(sp.frequency_penalty)
-    if sp.HasField("presence_penalty"):
-        p.presence_penalty = float(sp.presence_penalty)
-    if sp.HasField("max_tokens"):
-        p.max_tokens = int(sp.max_tokens)
+    for name, conv in _OPTIONAL_FIELDS:
+        if sp.HasField(name):
+            setattr(p, name, conv(getattr(sp, name)))
     p.stop = list(sp.stop)
     p.stop_token_ids = [int(t) for t in sp.stop_token_ids]
     p.ignore_eos = bool(sp.ignore_eos)

@@ -231,11 +231,9 @@ class Lib:
         self.ucs.ucs_status_string.argtypes = [c_status]
         major, minor, release = c_uint(), c_uint(), c_uint()
         self.ucp_get_version(byref(major), byref(minor), byref(release))
+        # Recorded only: ucp_request_param_t was 72 bytes before 1.22 and ours is the 1.22 one, but
+        # the fields we set all lie in the common prefix, so older libraries work too.
         self.version = (major.value, minor.value, release.value)
-        if self.version < (1, 22):
-            # ucp_request_param_t was 72 bytes before 1.22; our struct is the 1.22 one. The fields we
-            # set all lie in the common prefix, so older libraries still work: record it only.
-            pass
 
     def status_string(self, status: int) -> str:
         return self.ucs.ucs_status_string(status).decode()

@@ -18,6 +18,19 @@ OUT = HERE / "halfmoon-dashboard.json"
 CHART_COPY = HERE.parent / "k8s" / "halfmoon" / "files" / "halfmoon-dashboard.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
+
+
+def quantiles(histogram: str) -> list[tuple[str, str]]:
+    """(expr, legend) of a histogram's p50 and p99 over 1m, all series together."""
+    return [(f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket[1m])))", legend)
+            for q, legend in (("0.5", "p50"), ("0.99", "p99"))]
+
+
+def recorded_quantiles(name: str) -> list[tuple[str, str]]:
+    """(expr, legend) of the recording rules halfmoon:<name>:p50_1m and :p99_1m."""
+    return [(f"halfmoon:{name}:{legend}_1m", legend) for legend in ("p50", "p99")]
+
+
 # (row title, [(panel title, kind, unit, description, [(expr, legend)])]) ; kind: timeseries | stat
 ROWS = [
     ("Overview", [
@@ -25,14 +38,11 @@ ROWS = [
          "Finished client requests per second at the router, by final status.",
          [("halfmoon:router_requests:rate1m", "{{status}}")]),
         ("Time to first token", "timeseries", "s", "Router TTFT quantiles over 1m.",
-         [("halfmoon:router_ttft_seconds:p50_1m", "p50"),
-          ("halfmoon:router_ttft_seconds:p99_1m", "p99")]),
+         recorded_quantiles("router_ttft_seconds")),
         ("Inter-token latency", "timeseries", "s", "Router ITL quantiles over 1m.",
-         [("halfmoon:router_itl_seconds:p50_1m", "p50"),
-          ("halfmoon:router_itl_seconds:p99_1m", "p99")]),
+         recorded_quantiles("router_itl_seconds")),
         ("End-to-end latency", "timeseries", "s", "Request arrival to last token, quantiles over 1m.",
-         [("halfmoon:router_e2e_seconds:p50_1m", "p50"),
-          ("halfmoon:router_e2e_seconds:p99_1m", "p99")]),
+         recorded_quantiles("router_e2e_seconds")),
         ("Error ratio", "stat", "percentunit",
          "Share of router requests ending in error or timeout over 5m.",
          [("halfmoon:router_error_ratio:rate5m", "errors")]),
@@ -53,17 +63,14 @@ ROWS = [
          [("sum(rate(halfmoon_prefill_prompt_tokens_total[1m]))", "prompt"),
           ("sum(rate(halfmoon_prefill_cached_tokens_total[1m]))", "cached")]),
         ("Prefill batch size", "timeseries", "short", "Requests per prefill forward batch (quantiles over 1m).",
-         [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_prefill_batch_size_requests_bucket[1m])))", "p50"),
-          ("histogram_quantile(0.99, sum by (le) (rate(halfmoon_prefill_batch_size_requests_bucket[1m])))", "p99")]),
+         quantiles("halfmoon_prefill_batch_size_requests")),
         ("Prefill batch tokens", "timeseries", "short", "Extend tokens per prefill forward batch (quantiles over 1m).",
-         [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_prefill_batch_tokens_bucket[1m])))", "p50"),
-          ("histogram_quantile(0.99, sum by (le) (rate(halfmoon_prefill_batch_tokens_bucket[1m])))", "p99")]),
+         quantiles("halfmoon_prefill_batch_tokens")),
         ("Prefill compute busy fraction", "timeseries", "percentunit",
          "Seconds of prefill forward per second, per worker (1 = always computing).",
          [("sum by (instance) (rate(halfmoon_prefill_compute_seconds_sum[1m]))", "{{instance}}")]),
         ("Prefill forward time", "timeseries", "s", "Wall time of one prefill forward batch (quantiles over 1m).",
-         [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_prefill_compute_seconds_bucket[1m])))", "p50"),
-          ("histogram_quantile(0.99, sum by (le) (rate(halfmoon_prefill_compute_seconds_bucket[1m])))", "p99")]),
+         quantiles("halfmoon_prefill_compute_seconds")),
     ]),
     ("Transfer", [
         ("KV transfer throughput", "timeseries", "GBs", "KV bytes written to decode workers, GB/s (sender side).",
@@ -84,8 +91,7 @@ ROWS = [
         ("Generated tokens per second", "timeseries", "short", "Tokens sampled by decode workers per second.",
          [("sum by (instance) (rate(halfmoon_decode_generated_tokens_total[1m]))", "{{instance}}")]),
         ("KV wait", "timeseries", "s", "Pre-allocation to KV commit, per request (quantiles over 1m).",
-         [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_decode_kv_wait_seconds_bucket[1m])))", "p50"),
-          ("histogram_quantile(0.99, sum by (le) (rate(halfmoon_decode_kv_wait_seconds_bucket[1m])))", "p99")]),
+         quantiles("halfmoon_decode_kv_wait_seconds")),
         ("Evicted pages per second", "timeseries", "short", "Decode radix-cache pages evicted to make room.",
          [("sum by (instance) (rate(halfmoon_decode_evicted_pages_total[1m]))", "{{instance}}")]),
     ]),

@@ -16,6 +16,8 @@ from tests.integration.conftest import MODEL, model_available
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="model not pulled (halfmoon models pull)")
 
+MAX_TOKENS = 8  # tokens an e2e request generates unless it asks for more
+
 
 @contextlib.contextmanager
 def running_stack(tmp_path, prefill: int, decode: int, **kw):
@@ -26,6 +28,26 @@ def running_stack(tmp_path, prefill: int, decode: int, **kw):
         yield st
     leftovers = [p.name for p in st.procs if p.alive()]
     assert not leftovers, f"processes left running after stop: {leftovers}"
+
+
+def stack_fixture(prefill: int, decode: int):
+    """A module-scoped ``stack`` fixture: the whole stack with ``prefill`` + ``decode`` workers
+    (``stack = stack_fixture(1, 1)`` in a test module)."""
+
+    @pytest.fixture(scope="module")
+    def stack(tmp_path_factory):
+        with running_stack(tmp_path_factory.mktemp(f"e2e-{prefill}p{decode}d"), prefill=prefill,
+                           decode=decode) as st:
+            yield st
+
+    return stack
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kw):
+    """Greedy SamplingParams (``kw``: more SamplingParams fields, e.g. ignore_eos)."""
+    from protos import common_pb2
+
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
 @pytest.fixture(scope="session")

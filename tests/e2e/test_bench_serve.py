@@ -29,6 +29,14 @@ def _serve(endpoints, tmp_path, *extra):
     return rc, json.loads(out.read_text())
 
 
+def _summary(rc, res, n):
+    """The run's summary, once the run exited 0 and its ``n`` requests all completed without error."""
+    assert rc == 0
+    s = res["summary"]
+    assert (s["completed"], s["errors"]) == (n, 0), s["error_examples"]
+    return s
+
+
 @pytest.fixture(scope="module")
 def shared_prefix_run(endpoints, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shared_prefix")
@@ -43,9 +51,7 @@ def test_shared_prefix_over_grpc_moves_pages_only_for_the_uncached_delta(shared_
     """2 groups x 3 requests, one at a time: each group's first request moves its whole prompt
     (4 pages), the next two find the 3-page prefix in the decode radix cache and move 1 page."""
     rc, res, png = shared_prefix_run
-    assert rc == 0
-    s = res["summary"]
-    assert (s["completed"], s["errors"]) == (6, 0), s["error_examples"]
+    s = _summary(rc, res, 6)
     assert s["tokens"]["input"] == 6 * (PREFIX + SUFFIX)            # token ids sent as-is
     assert s["tokens"]["output"] == 6 * 6                          # ignore_eos: exact lengths
     assert s["ttft_ms"]["n"] == 6 and s["ttft_ms"]["min"] > 0
@@ -77,9 +83,7 @@ def test_transfer_bytes_metric_matches_the_usage(shared_prefix_run):
 def test_openai_target_through_the_routers_http_api(endpoints, tmp_path):
     rc, res = _serve(endpoints, tmp_path, "--target", "openai", "--workload", "random", "--num-requests", "3",
                      "--input-len", "32", "--output-len", "5", "--concurrency", "2", "--seed", "13")
-    assert rc == 0
-    s = res["summary"]
-    assert (s["completed"], s["errors"]) == (3, 0), s["error_examples"]
+    s = _summary(rc, res, 3)
     assert s["tokens"]["input"] == 3 * 32 and s["tokens"]["output"] == 3 * 5   # from the stream's usage
     assert s["ttft_ms"]["min"] > 0 and s["tpot_ms"]["n"] == 3
     assert res["config"]["endpoint"].startswith("http://") and res["config"]["model"]
@@ -89,9 +93,7 @@ def test_openai_target_through_the_routers_http_api(endpoints, tmp_path):
 def test_multi_turn_conversations_grow_and_hit_the_cache(endpoints, tmp_path):
     rc, res = _serve(endpoints, tmp_path, "--workload", "multi-turn", "--num-requests", "4", "--turns", "2",
                      "--user-len", "20", "--output-len", "4", "--concurrency", "2", "--seed", "14")
-    assert rc == 0
-    s = res["summary"]
-    assert (s["completed"], s["errors"]) == (4, 0), s["error_examples"]
+    s = _summary(rc, res, 4)
     by_turn = {}
     for r in res["requests"]:
         by_turn.setdefault(r["session_id"], {})[r["turn"]] = r

@@ -15,10 +15,9 @@ import openai
 import pytest
 
 from protos import common_pb2, router_pb2
-from tests.e2e.conftest import reference_ids, running_stack, worker_targets
+from tests.e2e.conftest import MAX_TOKENS, greedy, reference_ids, stack_fixture, worker_targets
 from tests.integration.conftest import MODEL, assert_idle_accounting
 
-MAX_TOKENS = 8
 # Aborted requests ask for 300-400 tokens: tens of seconds of decoding on 2 CPU cores. Idle within
 # this many seconds therefore shows the abort reached both legs (the request did not just finish).
 ABORT_IDLE_S = 4.0
@@ -27,10 +26,7 @@ LONG_SYSTEM = ("You are a careful assistant for a small museum of maritime histo
                "When you do not know, you say so. ") * 2
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("e2e-1p1d"), prefill=1, decode=1) as st:
-        yield st
+stack = stack_fixture(prefill=1, decode=1)
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +43,6 @@ def cases(tok):
     return [("text", {"text": text}, prompts[0], refs[0]),
             ("token_ids", {"token_ids": router_pb2.TokenIds(ids=ids)}, prompts[1], refs[1]),
             ("chat", {"chat": msgs}, prompts[2], refs[2])]
-
-
-def greedy(max_tokens=MAX_TOKENS, **kw):
-    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
 def collect(stub, timeout=120, **kw):

@@ -16,21 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from protos import common_pb2, router_pb2
-from tests.e2e.conftest import reference_ids, running_stack, worker_targets
+from protos import router_pb2
+from tests.e2e.conftest import MAX_TOKENS, greedy, reference_ids, stack_fixture, worker_targets
 from tests.integration.conftest import assert_idle_accounting, get_load
 
-MAX_TOKENS = 8
 PREFIX = ("Ships entering the harbour at night followed the lighthouse beam, which swept across the water "
           "every eight seconds. The keeper trimmed the wick, wound the clockwork and wrote the name of every "
           "vessel in his logbook, whatever the weather. ") * 2
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("e2e-2p2d"), prefill=2, decode=2) as st:
-        yield st
-
+stack = stack_fixture(prefill=2, decode=2)
 
 
 def run_while_killed(stub, proc, input_ids):
@@ -45,9 +40,6 @@ def run_while_killed(stub, proc, input_ids):
     proc.popen.wait(10)
     t.join(120)
     return result["out"]
-
-def greedy(max_tokens=MAX_TOKENS, **kw):
-    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
 def run(stub, ids, max_tokens=MAX_TOKENS, **kw):

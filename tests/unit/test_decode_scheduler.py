@@ -173,6 +173,22 @@ class Decode:
             notice["page_checksums"] = page_checksums(self.runner.kv_pool, dst)
         self.recv.send(prefill_pb2.KVNotice(room=job.room, ok=True, first_token_id=first_token, **notice))
 
+    def serve(self, ids, max_tokens, reference, checksums=False) -> DecodeJob:
+        """One whole request (submit, P's prefill with the co-located first token, decode to the
+        end), e.g. to leave its prompt's pages in the radix cache."""
+        job = self.submit(ids, max_tokens)
+        self.tick()
+        self.prefill(job, reference(ids, max_tokens)[0], checksums=checksums)
+        self.run_until_done(job)
+        return job
+
+    def finish(self, job, ref) -> None:
+        """Play P for ``job`` with ``ref``'s first token, decode to the end, and check the stream is
+        ``ref`` and ended without error."""
+        self.prefill(job, ref[0])
+        self.run_until_done(job)
+        assert outcome(job) == (ref, None)
+
     def load(self):
         fut: Future = Future()
         self.sched.handle(LoadQuery(fut))
@@ -237,10 +253,7 @@ def test_prefix_hit_sends_only_the_delta(model, reference):
     """A prompt sharing 2 pages with a finished one: the row is [radix prefix | delta], only the
     delta's pages go to P, and the checksums D verifies are over row[pre_len:], not row[:n]."""
     d = Decode(model, checksums=True)
-    a = d.submit(PROMPT, 3)
-    d.tick()
-    d.prefill(a, reference(PROMPT, 3)[0], checksums=True)
-    d.run_until_done(a)
+    d.serve(PROMPT, 3, reference, checksums=True)
     prompt = PROMPT[:8] + [3, 44, 51, 6, 29]  # 13 tokens, the first 8 cached
     ref = reference(prompt, 5)
     b = d.submit(prompt, 5)
@@ -266,37 +279,25 @@ def test_prefix_hit_sends_only_the_delta(model, reference):
 def test_full_hit_sends_no_page(model, reference):
     d = Decode(model)
     prompt = PROMPT[:8]
-    a = d.submit(prompt, 2)
-    d.tick()
-    d.prefill(a, reference(prompt, 2)[0])
-    d.run_until_done(a)
+    d.serve(prompt, 2, reference)
     b = d.submit(prompt, 4)
     d.tick()
     dest = d.net.dests[b.room]
     assert (dest.pre_len, list(dest.dst_page_ids)) == (8, [])
-    ref = reference(prompt, 4)
-    d.prefill(b, ref[0])
-    d.run_until_done(b)
-    assert outcome(b) == (ref, None)
+    d.finish(b, reference(prompt, 4))
     d.assert_idle()
 
 
 def test_short_pool_evicts_cached_pages(model, reference):
     d = Decode(model, num_pages=6)
-    a = d.submit(PROMPT, 6)  # 4 pages; 3 stay cached after it
-    d.tick()
-    d.prefill(a, reference(PROMPT, 6)[0])
-    d.run_until_done(a)
+    d.serve(PROMPT, 6, reference)  # 4 pages; 3 stay cached after it
     assert d.load().accounting.evictable_pages == 3
     before = M.DECODE_EVICTED_PAGES._value.get()
     other = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     b = d.submit(other, 5)  # 4 pages: the 3 free and 1 evicted
     d.tick()
     assert b.state is JobState.TRANSFER and M.DECODE_EVICTED_PAGES._value.get() - before == 1
-    ref = reference(other, 5)
-    d.prefill(b, ref[0])
-    d.run_until_done(b)
-    assert outcome(b) == (ref, None)
+    d.finish(b, reference(other, 5))
     d.assert_idle()
 
 
@@ -307,9 +308,7 @@ def test_without_radix_cache(model, reference):
         job = d.submit(PROMPT, 4)
         d.tick()
         assert d.net.dests[job.room].pre_len == 0
-        d.prefill(job, ref[0])
-        d.run_until_done(job)
-        assert outcome(job) == (ref, None)
+        d.finish(job, ref)
     d.assert_idle()
     assert d.load().accounting.free_pages == d.load().accounting.total_pages
 
@@ -478,9 +477,7 @@ def test_duplicate_live_room_is_already_exists(model, reference):
     dup = d.submit(PROMPT, 3, room=42)
     d.tick()
     assert code(outcome(dup)[1]) is grpc.StatusCode.ALREADY_EXISTS
-    d.prefill(job, ref[0])
-    d.run_until_done(job)
-    assert outcome(job) == (ref, None)
+    d.finish(job, ref)
     d.assert_idle()
 
 

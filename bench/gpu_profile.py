@@ -1,0 +1,89 @@
+"""Profile sections of the GPU benchmark: where a decode step's time goes.
+
+  host_profile  cProfile of the host side of a graph decode step (``runner.forward`` at B=1 and
+                B=128, context 4096, GPU idle before each call): the time a scheduler that syncs
+                every step leaves the GPU idle
+  profile       per-kernel GPU time of one eager decode step (torch.profiler), grouped by kernel
+                name, at B=1 and B=128 (context 1024): which kernels keep a step from the floor
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bench.gpu_runner import PAGE_SIZE, build_runner, decode_batch, decode_rows
+from bench.gpu_timing import kernel_times
+
+
+def host_profile(args) -> dict:
+    """Host time of a graph decode step by function (see the module docstring)."""
+    import cProfile
+    import io
+    import pstats
+
+    C, ps, maxB = 4096, PAGE_SIZE, 128
+    runner, _ = build_runner(args, maxB, C + ps, maxB * (-(-(C + 1) // ps)) + 8)
+    rows, slots = decode_rows(runner, maxB, C)
+    out = {}
+    for B in (1, maxB):
+        batch = decode_batch(rows, slots, C, [1] * B)
+        for _ in range(3):
+            runner.forward(batch)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        n = 30
+        for _ in range(n):
+            torch.cuda.synchronize()
+            prof.enable()
+            runner.forward(batch)
+            prof.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf).sort_stats("tottime")
+        st.print_stats(18)
+        text = buf.getvalue()
+        print(f"host profile B={B} ctx={C} ({n} steps):\n{text}", flush=True)
+        out[str(B)] = {"steps": n, "total_s": st.total_tt, "per_step_ms": st.total_tt / n * 1e3,
+                       "top": text[-6000:]}
+    del runner
+    torch.cuda.empty_cache()
+    return out
+
+
+def profile(args) -> dict:
+    """GPU time of an eager decode step by kernel (see the module docstring)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    batches = [1, 128]
+    C, ps = 1024, PAGE_SIZE
+    runner, _ = build_runner(args, max(batches), C + ps, max(batches) * (C // ps + 2) + 8)
+    for buf in runner.kv_pool.buffers():
+        buf.normal_()
+    out = {}
+    for B in batches:
+        rows, slots = decode_rows(runner, B, C)
+        batch = decode_batch(rows, slots, C, [1] * B)
+        with torch.inference_mode():
+            for _ in range(3):
+                runner.model(batch, runner.backend)
+            torch.cuda.synchronize()
+            steps = 5
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    runner.model(batch, runner.backend)
+                torch.cuda.synchronize()
+        agg = kernel_times(prof)
+        rows_out = sorted(([k, v[0] / steps / 1e3, v[1] // steps] for k, v in agg.items()), key=lambda r: -r[1])
+        total = sum(r[1] for r in rows_out)
+        out[str(B)] = {"kernel_ms_per_step": total, "top": rows_out[:14]}
+        print(f"profile B={B} ctx={C}: kernel time {total:.3f} ms/step", flush=True)
+        for k, ms, n in rows_out[:14]:
+            print(f"  {ms:7.3f} ms  x{n:4d}  {k}", flush=True)
+        for row in rows:
+            runner.req_to_token_pool.free(row)
+    del runner
+    torch.cuda.empty_cache()
+    return out
+
+

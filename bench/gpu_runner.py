@@ -1,0 +1,43 @@
+"""The ModelRunner the GPU benchmark's 8B sections time: dummy weights, bf16, page 16, and the rows
+of a decode batch at one context length."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+PAGE_SIZE = 16
+
+
+def build_runner(args, max_bs: int, max_context: int, num_pages: int, cuda_graph: bool = True):
+    """(ModelRunner of ``args.model`` with dummy weights, seconds it took to build)."""
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+
+    t = time.perf_counter()
+    r = ModelRunner(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", device="cuda",
+                                 page_size=PAGE_SIZE, num_pages=num_pages, max_running_requests=max_bs,
+                                 max_context=max_context, cuda_graph=cuda_graph, cuda_graph_max_bs=max_bs,
+                                 chunked_prefill_size=1 << 20))
+    torch.cuda.synchronize()
+    return r, time.perf_counter() - t
+
+
+def decode_rows(r, n: int, context: int) -> tuple[list[int], list[torch.Tensor]]:
+    """``n`` request rows, each with slots for ``context`` cached tokens and the one a decode step
+    writes (slot ``context``): (rows, slots per row)."""
+    rows = [r.req_to_token_pool.alloc() for _ in range(n)]
+    slots = [r.allocator.alloc_slots(0, context + 1, None) for _ in range(n)]
+    for row, s in zip(rows, slots):
+        r.req_to_token_pool.write(row, 0, s)
+    return rows, slots
+
+
+def decode_batch(rows: list[int], slots: list[torch.Tensor], context: int, token_ids: list[int]):
+    """A decode ForwardBatch of the first len(token_ids) rows at ``context``."""
+    from engine.forward_batch import ForwardBatch, ForwardMode
+
+    B = len(token_ids)
+    return ForwardBatch.build(ForwardMode.DECODE, rows[:B], [context] * B, [[t] for t in token_ids],
+                              torch.stack([s[context] for s in slots[:B]]), "cuda")
