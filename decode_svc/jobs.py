@@ -69,7 +69,9 @@ class DecodeJob:
     dest_state: DestState = DestState.NONE
     prefill_segment: str = ""
     prefill_incarnation: str = ""
+    prefill_process: object = None  # messages.ProcessId of P, from its descriptor, when known
     t_prealloc: float = 0.0        # time.monotonic() of the pre-allocation
+    fence_at: float = 0.0          # time.monotonic() after which P can start no write (quarantine)
     kv_len: int = 0
     output_ids: list[int] = field(default_factory=list)
     generator: object = None       # torch.Generator for non-greedy sampling

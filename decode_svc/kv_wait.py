@@ -84,6 +84,7 @@ class KVWaitQueue:
             return
         job.dest_state = msg.state
         job.prefill_segment, job.prefill_incarnation = msg.segment, msg.incarnation
+        job.prefill_process = msg.process
         if msg.state is not DestState.ACCEPTED:
             code = grpc.StatusCode.UNAVAILABLE if msg.state is DestState.UNKNOWN else grpc.StatusCode.ABORTED
             self._fail(job, ServiceError(code, f"prefill did not take the KV destination: {msg.error}"))
@@ -91,11 +92,14 @@ class KVWaitQueue:
             self.net.abort(job.prefill_address, msg.room, job.request_id, job.aborted)
 
     def on_peer_gone(self, msg: PeerGone) -> None:
+        """Fail the requests waiting on that P (the router retries elsewhere); only a proven death
+        frees their pages at once, otherwise they go to the quarantine."""
         for job in list(self._jobs.values()):
             if msg.matches(job.prefill_segment, job.prefill_incarnation):
-                job.dest_state = DestState.PEER_GONE
+                if msg.proven:
+                    job.dest_state = DestState.PEER_GONE
                 self._fail(job, ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                             f"prefill worker {msg.segment} is gone"))
+                                             f"prefill worker {msg.segment} is gone ({msg.cause})"))
         self.quarantine.on_peer_gone(msg)
 
     def on_notice(self, msg: Notice) -> Committed | None:
@@ -109,7 +113,7 @@ class KVWaitQueue:
             return None
         room = int(notice.room)
         log.debug("notice room=%d ok=%s pages=%d from %s", room, notice.ok, notice.pages_sent, msg.sender)
-        if self.quarantine.release(room):
+        if self.quarantine.release(room, "notice"):
             return None
         job = self._jobs.get(room)
         if job is None:
@@ -165,7 +169,8 @@ class KVWaitQueue:
         if now - self._last_liveness <= self.liveness_interval_s:
             return
         self._last_liveness = now
-        peers = {(j.prefill_segment, j.prefill_incarnation) for j in self._jobs.values() if j.prefill_segment}
+        peers = {(j.prefill_segment, j.prefill_incarnation, j.prefill_process)
+                 for j in self._jobs.values() if j.prefill_segment}
         peers |= self.quarantine.peers()
         if peers:
             self.net.check_alive(peers)

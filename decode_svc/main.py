@@ -38,11 +38,16 @@ def _tokenizer(runner, model: str):
 
 def run(args: argparse.Namespace) -> int:
     from decode_svc.peers import PrefillPeers
+    from decode_svc.quarantine import FencePolicy
     from decode_svc.scheduler import DecodeScheduler
     from decode_svc.server import DecodeServicer
     from engine.model_runner import ModelRunner
     from protos import decode_pb2, decode_pb2_grpc
 
+    if args.fence_timeout is not None:
+        raise SystemExit("--fence-timeout is gone: a live P is never timed out of its pages any more; "
+                         "quarantined pages wait for --kv-write-window (sent to P) + --fence-margin "
+                         "past SetDestination's deadline (docs/architecture.md, Fencing one-sided writes)")
     w = Worker(args, "decode")
     # rows: running requests + as many pre-allocated/transferring ones, which hold a row while they
     # wait for KV without taking a running slot
@@ -59,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                             max_running=args.max_running_requests,
                             disable_radix_cache=args.disable_decode_radix_cache,
                             checksums=args.kv_checksums, kv_wait_timeout_s=args.kv_wait_timeout,
-                            fence_timeout_s=args.fence_timeout,
+                            fence=FencePolicy(peers.rpc_timeout_s, args.kv_write_window, args.fence_margin),
                             overlap_schedule=overlap)
     holder["s"] = sched
     sched.start()

@@ -25,23 +25,47 @@ class Notice:
 
 
 @dataclass(frozen=True)
+class ProcessId:
+    """P's process as its segment descriptor names it: same-host proof of its death without the
+    registry (``pid_start_ticks(pid) != start_ticks`` on ``host``)."""
+
+    host: str
+    pid: int
+    start_ticks: int
+
+
+@dataclass(frozen=True)
 class DestResult:
-    """How SetDestination for ``room`` ended: ACCEPTED (with P's segment and incarnation), REJECTED
-    or UNKNOWN (``error`` says why)."""
+    """How SetDestination for ``room`` ended: ACCEPTED (with P's segment, incarnation and, when the
+    descriptor was at hand, its process), REJECTED or UNKNOWN (``error`` says why)."""
 
     room: int
     state: DestState
     segment: str = ""
     incarnation: str = ""
     error: str = ""
+    process: ProcessId | None = None
+
+
+PEER_GONE_CAUSES = ("process_gone", "new_incarnation")
 
 
 @dataclass(frozen=True)
 class PeerGone:
-    """Prefill segment ``segment`` is gone (``incarnation`` "": whatever incarnation it had)."""
+    """Prefill segment ``segment`` is gone (``incarnation`` "": whatever incarnation it had).
+
+    ``cause``: "process_gone" (its same-host process exited) or "new_incarnation" (the registry
+    shows another start of it) prove that nothing of it writes any more; "absent" (no registry
+    record: an expired lease, perhaps a stopped process) proves nothing, so waiting requests may
+    fail fast but their pages stay quarantined."""
 
     segment: str
     incarnation: str
+    cause: str = "process_gone"
+
+    @property
+    def proven(self) -> bool:
+        return self.cause in PEER_GONE_CAUSES
 
     def matches(self, segment: str, incarnation: str) -> bool:
         """Whether a peer known as (segment, incarnation) is the one gone."""
@@ -51,11 +75,14 @@ class PeerGone:
 class PrefillNet(Protocol):
     """D's calls toward prefill workers (``decode_svc.peers.PrefillPeers``); none of them blocks."""
 
-    def set_destination(self, address: str, dest: prefill_pb2.KVDestination, request_id: str) -> None:
-        """Send ``dest`` to P at ``address`` (gRPC host:port); the outcome comes back as DestResult."""
+    def set_destination(self, address: str, dest: prefill_pb2.KVDestination, request_id: str,
+                        deadline: float | None = None) -> None:
+        """Send ``dest`` to P at ``address`` (gRPC host:port) with the RPC deadline ``deadline``
+        (time.monotonic() seconds; not sent at all once it passed); the outcome comes back as
+        DestResult."""
 
     def abort(self, address: str, room: int, request_id: str, reason: str) -> None:
         """Ask P to drop the room (best effort; P still answers an accepted destination once)."""
 
-    def check_alive(self, peers: set[tuple[str, str]]) -> None:
-        """For each (segment, incarnation) that no longer lives, a PeerGone comes back."""
+    def check_alive(self, peers: set[tuple[str, str, ProcessId | None]]) -> None:
+        """For each (segment, incarnation, process) that no longer lives, a PeerGone comes back."""

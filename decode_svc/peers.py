@@ -3,26 +3,49 @@ Abort and liveness checks, run on a small thread pool so the decode scheduler ne
 network. Results go back to the scheduler as messages (``DecodeScheduler.post``).
 
 SetDestination outcomes (``DestResult.state``): ACCEPTED (P will answer with exactly one notice),
-REJECTED (P answered with a definite error: it holds nothing for the room, so D's pages are free to
-reuse), UNKNOWN (timeout / unreachable: P may or may not have it; D quarantines the pages).
+REJECTED (P answered with a definite error, or the request provably never left D: P holds nothing
+for the room, so D's pages are free to reuse), UNKNOWN (timeout, a connection lost after the
+request may have gone out: P may or may not have it; D quarantines the pages).
+
+Liveness (docs/architecture.md, Fencing one-sided writes): only proof counts. A same-host P whose
+(pid, start ticks) no longer names a live process is gone, whatever the registry says; a registry
+record with another incarnation means that start of P is gone. A missing record (an expired lease:
+a stopped P looks exactly like that) is reported as "absent" and proves nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from decode_svc.jobs import DestState
-from decode_svc.messages import DestResult, PeerGone
+from decode_svc.messages import DestResult, PeerGone, ProcessId
 from protos import common_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("halfmoon.decode")
 
 _AMBIGUOUS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
+# UNAVAILABLE details that mean no connection was ever made, so the request never went out
+_NEVER_CONNECTED = ("failed to connect", "connection refused")
+_AFTER_CONNECT = ("reset", "closed", "broken pipe", "eof", "goaway")
+
+
+def destination_state(e: grpc.RpcError) -> DestState:
+    """What a failed SetDestination says about P: REJECTED only when P answered a definite error
+    or the connection was refused before anything was sent; otherwise UNKNOWN."""
+    code = e.code()
+    if code not in _AMBIGUOUS:
+        return DestState.REJECTED
+    details = (e.details() or "").lower()
+    if (code == grpc.StatusCode.UNAVAILABLE and any(k in details for k in _NEVER_CONNECTED)
+            and not any(k in details for k in _AFTER_CONNECT)):
+        return DestState.REJECTED
+    return DestState.UNKNOWN
 
 
 class PrefillPeers:
@@ -53,22 +76,40 @@ class PrefillPeers:
                 stub = self._stubs[address] = prefill_pb2_grpc.PrefillStub(ch)
             return stub
 
-    def set_destination(self, address: str, dest, request_id: str) -> None:
+    def set_destination(self, address: str, dest, request_id: str, deadline: float | None = None) -> None:
         def call():
             room = int(dest.room)
+            timeout = self.rpc_timeout_s if deadline is None else deadline - time.monotonic()
+            if timeout <= 0:  # never sent: P cannot hold it
+                self._post(DestResult(room, DestState.REJECTED, error="not sent: its deadline passed first"))
+                return
             try:
-                resp = self._stub(address).SetDestination(dest, timeout=self.rpc_timeout_s)
-                self._post(DestResult(room, DestState.ACCEPTED, resp.prefill_segment, resp.incarnation))
+                resp = self._stub(address).SetDestination(dest, timeout=timeout)
             except grpc.RpcError as e:
-                state = DestState.UNKNOWN if e.code() in _AMBIGUOUS else DestState.REJECTED
-                details = (e.details() or "").lower()
-                if e.code() == grpc.StatusCode.UNAVAILABLE and ("connect" in details or "refused" in details):
-                    state = DestState.REJECTED  # never reached P: nothing was accepted
-                self._post(DestResult(room, state, error=f"{e.code().name}: {e.details()}"))
+                self._post(DestResult(room, destination_state(e), error=f"{e.code().name}: {e.details()}"))
+                return
             except Exception as e:  # never lose the outcome
                 self._post(DestResult(room, DestState.UNKNOWN, error=repr(e)))
+                return
+            self._post(DestResult(room, DestState.ACCEPTED, resp.prefill_segment, resp.incarnation,
+                                  process=self._process(resp.prefill_segment, resp.incarnation)))
 
         self._pool.submit(call)
+
+    def _process(self, segment: str, incarnation: str) -> ProcessId | None:
+        """P's process from its descriptor (cached by the registry client), kept with the pages
+        so that P's death can be proven on this host even once its registry record is gone."""
+        if self.registry is None or not segment:
+            return None
+        try:
+            desc = self.registry.get_segment(segment)
+            if desc.incarnation != incarnation:
+                desc = self.registry.get_segment(segment, refresh=True)
+        except Exception:  # no descriptor at hand: only the registry can tell later
+            return None
+        if desc.incarnation != incarnation or desc.pid <= 0:
+            return None
+        return ProcessId(desc.host_id, desc.pid, desc.pid_start_ticks)
 
     def abort(self, address: str, room: int, request_id: str, reason: str) -> None:
         def call():
@@ -81,37 +122,46 @@ class PrefillPeers:
 
         self._pool.submit(call)
 
-    def check_alive(self, peers: set[tuple[str, str]]) -> None:
-        """For each (segment, incarnation): post ``PeerGone(segment, incarnation)`` when the
-        registry no longer has that incarnation, or its same-host owner process exited."""
-        if self.registry is None or self._checking:
+    def check_alive(self, peers: set[tuple[str, str, ProcessId | None]]) -> None:
+        """For each (segment, incarnation, process): post ``PeerGone`` with cause "process_gone"
+        (its same-host process exited), "new_incarnation" (the registry has another start of it) or
+        "absent" (no registry record: proves nothing)."""
+        if self._checking:
             return
         self._checking = True
 
         def call():
             try:
-                from transfer_svc.engine import host_id, pid_start_ticks
-
-                me = host_id()
-                for seg, inc in peers:
-                    try:
-                        desc = self.registry.get_segment(seg, refresh=True)
-                    except KeyError:
-                        self._post(PeerGone(seg, inc))
-                        continue
-                    except grpc.RpcError:
-                        continue  # registry unreachable: decide nothing
-                    gone = bool(inc) and desc.incarnation != inc
-                    if not gone and desc.host_id == me and desc.pid > 0:
-                        gone = pid_start_ticks(desc.pid) != desc.pid_start_ticks
-                    if gone:
-                        self._post(PeerGone(seg, inc))
+                for seg, inc, proc in peers:
+                    cause = self._gone(seg, inc, proc)
+                    if cause:
+                        self._post(PeerGone(seg, inc, cause))
             except Exception:
                 log.exception("liveness check")
             finally:
                 self._checking = False
 
         self._pool.submit(call)
+
+    def _gone(self, seg: str, inc: str, proc: ProcessId | None) -> str:
+        from transfer_svc.engine import host_id, pid_start_ticks
+
+        me = host_id()
+        if proc is not None and proc.host == me:
+            return "" if pid_start_ticks(proc.pid) == proc.start_ticks else "process_gone"
+        if self.registry is None:
+            return ""
+        try:
+            desc = self.registry.get_segment(seg, refresh=True)
+        except KeyError:
+            return "absent"
+        except grpc.RpcError:
+            return ""  # registry unreachable: decide nothing
+        if inc and desc.incarnation != inc:
+            return "new_incarnation"
+        if inc and desc.host_id == me and desc.pid > 0 and pid_start_ticks(desc.pid) != desc.pid_start_ticks:
+            return "process_gone"
+        return ""
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

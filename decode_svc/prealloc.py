@@ -18,6 +18,7 @@ import time
 from decode_svc.jobs import DecodeJob, DestState
 from decode_svc.kv_wait import KVWaitQueue
 from decode_svc.messages import PrefillNet
+from decode_svc.quarantine import FencePolicy
 from engine.kvcache.cache_manager import CacheManager
 from protos import prefill_pb2
 from telemetry import metrics as M
@@ -35,17 +36,20 @@ class PreallocQueue:
         segment_name: D's segment name (P writes into it).
         max_context: tokens per row.
         checksums: ask P for per-page checksums.
+        fence: the write window sent to P and the fence deadline of each destination.
     """
 
     def __init__(self, kv: CacheManager, net: PrefillNet, kv_wait: KVWaitQueue, *, segment_name: str,
-                 max_context: int, checksums: bool):
+                 max_context: int, checksums: bool, fence: FencePolicy = FencePolicy()):
         self.kv = kv
         self.net = net
         self.kv_wait = kv_wait
         self.max_context = max_context
+        self.fence = fence
         # what every destination says about D itself
         self._destination = functools.partial(prefill_pb2.KVDestination, decode_segment=segment_name,
-                                              decode_worker_id=segment_name, want_checksums=checksums)
+                                              decode_worker_id=segment_name, want_checksums=checksums,
+                                              write_deadline_ms=fence.window_ms)
         self._queue: collections.deque[DecodeJob] = collections.deque()
 
     def __len__(self) -> int:
@@ -93,5 +97,5 @@ class PreallocQueue:
         M.DECODE_PROMPT_TOKENS.inc(n)
         M.DECODE_PREFIX_HIT_TOKENS.inc(pre)
         dest = self._destination(room=job.room, dst_page_ids=job.dst_pages, pre_len=pre, prompt_len=n)
-        self.net.set_destination(job.prefill_address, dest, job.request_id)
+        self.net.set_destination(job.prefill_address, dest, job.request_id, self.fence.stamp(job))
         return True

@@ -33,7 +33,7 @@ from decode_svc.jobs import DecodeJob, DestState, JobState
 from decode_svc.kv_wait import KVWaitQueue
 from decode_svc.messages import DestResult, Notice, PeerGone, PrefillNet
 from decode_svc.prealloc import PreallocQueue
-from decode_svc.quarantine import Quarantine
+from decode_svc.quarantine import FencePolicy, Quarantine
 from decode_svc.running import RunningBatch
 from engine.kvcache.cache_manager import CacheManager
 from engine.kvcache.prefix_cache import NullPrefixCache
@@ -64,8 +64,8 @@ class DecodeScheduler(SchedulerLoop):
         max_running: running-batch cap; disable_radix_cache: no prefix reuse on D.
         checksums: verify per-page checksums of the delta.
         kv_wait_timeout_s: a request waiting for KV this long fails (DEADLINE_EXCEEDED).
-        fence_timeout_s: quarantined pages with no notice and a live P are released after this
-            (default 2 x kv_wait_timeout_s).
+        fence: the write window sent to P and when quarantined pages of a silent P may be reused
+            (``decode_svc.quarantine.FencePolicy``).
         liveness_interval_s: seconds between liveness checks of the P's that may write D's pages.
         overlap_schedule: launch decode step n+1 before reading step n's tokens, so the GPU computes
             while the host streams the previous tokens. Used for batches of greedy requests without
@@ -75,7 +75,7 @@ class DecodeScheduler(SchedulerLoop):
     def __init__(self, runner: ModelRunner, transfer: KVReceiver, net: PrefillNet, *, segment_name: str,
                  eos_token_ids, tokenizer=None, max_running: int = 32, disable_radix_cache: bool = False,
                  checksums: bool = False, kv_wait_timeout_s: float = 60.0,
-                 fence_timeout_s: float | None = None, liveness_interval_s: float = 1.0,
+                 fence: FencePolicy = FencePolicy(), liveness_interval_s: float = 1.0,
                  overlap_schedule: bool = False):
         super().__init__("decode-scheduler", runner.device, log)
         self.runner = runner
@@ -86,14 +86,13 @@ class DecodeScheduler(SchedulerLoop):
         cache = NullPrefixCache() if disable_radix_cache else RadixCache(runner.page_size, alloc)
         self.kv = CacheManager(alloc, runner.req_to_token_pool, cache, on_evict=M.DECODE_EVICTED_PAGES.inc)
         self.jobs: dict[int, DecodeJob] = {}  # every live job by room, in arrival order
-        fence = fence_timeout_s if fence_timeout_s is not None else 2 * kv_wait_timeout_s
-        self.quarantine = Quarantine(alloc, net, fence)
+        self.quarantine = Quarantine(alloc, net)
         self.running = RunningBatch(runner, self.kv, self._finish, eos_token_ids=eos_token_ids,
                                     max_running=max_running, overlap_schedule=overlap_schedule)
         self.kv_wait = KVWaitQueue(runner, self.kv, net, self.quarantine, self._fail, checksums=checksums,
                                    timeout_s=kv_wait_timeout_s, liveness_interval_s=liveness_interval_s)
         self.prealloc = PreallocQueue(self.kv, net, self.kv_wait, segment_name=segment_name,
-                                      max_context=runner.max_context, checksums=checksums)
+                                      max_context=runner.max_context, checksums=checksums, fence=fence)
         self._arrivals = itertools.count()
         self._notice_thread = threading.Thread(target=self._pump_notices, name="decode-notices", daemon=True)
 

@@ -25,9 +25,11 @@ class KVSender(Protocol):
     def open_segment(self, name: str) -> Segment:
         """Open (or reuse) the named peer segment; may block on the registry. Raises TransferError."""
 
-    def submit(self, segment: Segment, descs: Sequence[tuple[int, int, int]]) -> int:
+    def submit(self, segment: Segment, descs: Sequence[tuple[int, int, int]], *,
+               not_after: float | None = None) -> int:
         """Queue puts of ``(local_addr, remote_addr, nbytes)``; returns the batch id. Raises
-        SegmentClosed / BoundsError before anything is queued."""
+        SegmentClosed / BoundsError before anything is queued. A batch not posted by ``not_after``
+        (time.monotonic() seconds) fails "write deadline passed" without writing."""
 
     def status(self, batch_id: int) -> BatchStatus: ...
 
@@ -35,8 +37,9 @@ class KVSender(Protocol):
 
     def release(self, batch_id: int) -> None: ...
 
-    def send_notify(self, segment: Segment, payload: bytes) -> int:
-        """Queue a notice (bytes) to the segment's owner behind every earlier batch; returns its id."""
+    def send_notify(self, segment: Segment, payload: bytes, *, not_after: float | None = None) -> int:
+        """Queue a notice (bytes) to the segment's owner behind every earlier batch; returns its id
+        (``not_after`` as for submit)."""
 
 
 class KVReceiver(Protocol):

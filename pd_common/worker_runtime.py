@@ -71,9 +71,19 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                              "destination waits for its request) before it fails")
     parser.add_argument("--kv-wait-timeout", type=float, default=180.0,
                         help="[decode] seconds a pre-allocated request waits for P's KV and notice")
-    parser.add_argument("--fence-timeout", type=float, default=None,
-                        help="[decode] seconds quarantined destination pages wait for P's notice "
-                             "while P is alive (default 2 x --kv-wait-timeout)")
+    parser.add_argument("--kv-write-window", type=float, default=30.0,
+                        help="[decode] seconds after receiving a KV destination during which P may start "
+                             "writing it (sent to P, which refuses writes after it)")
+    parser.add_argument("--fence-margin", type=float, default=30.0,
+                        help="[decode] seconds added to SetDestination's deadline + --kv-write-window before "
+                             "quarantined pages of a silent P are reused; must cover the longest write in "
+                             "flight (docs/architecture.md, Fencing one-sided writes)")
+    parser.add_argument("--fence-timeout", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--lease-fence-margin", type=float, default=2.0,
+                        help="[prefill] start no KV write while our registry lease has less than this many "
+                             "seconds left by our own clock (keep it below 2/3 of --lease-ttl)")
+    parser.add_argument("--lease-ttl", type=int, default=10,
+                        help="registry lease TTL this worker asks for, seconds (heartbeats every TTL/3)")
     parser.add_argument("--disable-decode-radix-cache", action="store_true",
                         help="[decode] no prefix cache on decode: every prompt page is transferred")
     parser.add_argument("--disable-radix-cache", action="store_true",
@@ -152,7 +162,7 @@ class Worker:
 
         a = self.args
         self.registry = RegistryClient(a.registry, worker_id=self.worker_id, role=self.role,
-                                       model=a.model)
+                                       model=a.model, ttl_s=a.lease_ttl)
         loc = "cpu" if runner.device.type == "cpu" else f"cuda:{runner.device.index or 0}"
         # GPU workers poll UCX without sleeping while a batch is in flight: +12-15 % GPU->GPU KV
         # throughput on an H200 pair (bench/results/GPU_NOTES.md run 7); CPU workers on small shared

@@ -37,11 +37,14 @@ class JobState(enum.Enum):
 
 @dataclass(eq=False)
 class Destination:
-    """An accepted ``KVDestination`` with D's opened segment and D's pool geometry."""
+    """An accepted ``KVDestination`` with D's opened segment and D's pool geometry. ``not_after``:
+    time.monotonic() seconds after which P starts no write into it (receipt + D's write window;
+    None when D asked for no window)."""
 
     msg: prefill_pb2.KVDestination
     segment: Segment
     geometry: PoolGeometry
+    not_after: float | None = None
 
     @property
     def room(self) -> int:

@@ -12,7 +12,12 @@
 * A job's pages stay allocated while any of its batches or its notice may still read them.
 
 Every accepted destination gets exactly one notice, ok or ok=false (failure, abort, expiry), so D
-can keep its destination pages quarantined until then. ok=false notices go from a helper thread,
+can keep its destination pages quarantined until then.
+
+Fencing (docs/architecture.md, Fencing one-sided writes): no batch or ok notice is started after the
+destination's write window (``Destination.not_after``) or while P's own view of its registry lease
+has lapsed; the job fails (DEADLINE_EXCEEDED / UNAVAILABLE) and D gets ok=false instead. The
+transfer engine re-checks the window on its progress thread right before the puts. ok=false notices go from a helper thread,
 since re-opening a dropped segment may block on the registry.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -35,12 +41,17 @@ from prefill_svc.jobs import Destination, JobEnds, JobState, PendingBatch, Prefi
 from prefill_svc.kv_runs import PoolGeometry, descriptors, merge_runs
 from protos import prefill_pb2
 from telemetry import metrics as M
-from transfer_svc.engine import State
+from transfer_svc.engine import WRITE_DEADLINE_PASSED, State
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
 
 log = logging.getLogger("halfmoon.prefill")
+
+
+def _failure_code(reason: str) -> grpc.StatusCode:
+    """A failed batch's status for the caller: its write window passed, or the transfer failed."""
+    return grpc.StatusCode.DEADLINE_EXCEEDED if WRITE_DEADLINE_PASSED in reason else grpc.StatusCode.UNAVAILABLE
 
 
 class TransferLog:
@@ -70,11 +81,15 @@ class DeltaSender:
         destination_timeout_s: a job without a destination this long after arrival fails
             DEADLINE_EXCEEDED; checksums: put page checksums in every ok notice.
         transfer_log: the JSONL log.
+        lease_valid_for: seconds P's registry lease is still certainly held
+            (``RegistryClient.lease_valid_for``), or None (no registry: no lease fence).
+        lease_fence_margin_s: no write starts while ``lease_valid_for()`` is below this.
     """
 
     def __init__(self, transfer: KVSender, runner: ModelRunner, geometry: PoolGeometry,
                  book: DestinationBook, ends: JobEnds, *, destination_timeout_s: float,
-                 checksums: bool, transfer_log: TransferLog):
+                 checksums: bool, transfer_log: TransferLog,
+                 lease_valid_for: Callable[[], float] | None = None, lease_fence_margin_s: float = 0.0):
         self.transfer = transfer
         self.runner = runner
         self.ps = runner.page_size
@@ -84,6 +99,8 @@ class DeltaSender:
         self.destination_timeout_s = destination_timeout_s
         self.checksums = checksums
         self.log = transfer_log
+        self.lease_valid_for = lease_valid_for
+        self.lease_fence_margin_s = lease_fence_margin_s
         self.unclaimed: dict[int, PrefillJob] = {}  # room -> job without a destination
         self.sending: dict[int, PrefillJob] = {}    # room -> job with a claimed destination
         self._net = ThreadPoolExecutor(2, thread_name_prefix="prefill-net")
@@ -142,6 +159,11 @@ class DeltaSender:
             n = len(job.prompt_ids)
             complete = job.computed == n and job.first is not None
             end_page = pages_for(n, self.ps) if complete else job.computed // self.ps
+            if job.next_page < end_page or complete:
+                fenced = self._fenced(job)
+                if fenced is not None:
+                    self.ends.fail(job, fenced)
+                    continue
             try:
                 if job.next_page < end_page:
                     self._submit_pages(job, job.next_page, end_page)
@@ -151,6 +173,22 @@ class DeltaSender:
                 M.TRANSFER_FAILURES.labels(reason="peer_unreachable").inc()
                 self.ends.fail(job, ServiceError(grpc.StatusCode.UNAVAILABLE,
                                                  f"KV transfer to decode failed: {e}"))
+
+    def _fenced(self, job: PrefillJob) -> ServiceError | None:
+        """Why no write of ``job`` may start now (its window passed, P's lease lapsed), or None."""
+        not_after = job.dest.not_after
+        if not_after is not None and time.monotonic() > not_after:
+            M.TRANSFER_FAILURES.labels(reason="timeout").inc()
+            return ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"write window of the KV destination passed "
+                                f"({job.dest.msg.write_deadline_ms} ms after it arrived)")
+        if self.lease_valid_for is not None:
+            left = self.lease_valid_for()
+            if left < self.lease_fence_margin_s:
+                return ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                    f"registry lease lapsed or about to ({left:.1f} s left, margin "
+                                    f"{self.lease_fence_margin_s:g} s): no KV write starts")
+        return None
 
     def _submit_pages(self, job: PrefillJob, first: int, end: int) -> None:
         """One batch writing logical pages ``[first, end)`` to their destination pages."""
@@ -165,7 +203,7 @@ class DeltaSender:
             job.t_transfer = time.monotonic()
         if r2t.device.type == "cuda":  # the forward's KV writes must land before the transport reads
             torch.cuda.current_stream(r2t.device).synchronize()
-        bid = self.transfer.submit(dest.segment, descs)
+        bid = self.transfer.submit(dest.segment, descs, not_after=dest.not_after)
         nbytes = sum(d[2] for d in descs)
         job.batches[bid] = PendingBatch(time.monotonic(), len(src), nbytes)
         job.next_page = end
@@ -178,7 +216,8 @@ class DeltaSender:
 
     def _queue_notice(self, job: PrefillJob) -> None:
         notice = self._ok_notice(job)
-        job.notify_id = self.transfer.send_notify(job.dest.segment, notice.SerializeToString())
+        job.notify_id = self.transfer.send_notify(job.dest.segment, notice.SerializeToString(),
+                                                  not_after=job.dest.not_after)
         self.log.write({"event": "notice", "room": job.room, "ok": True, "pages_sent": notice.pages_sent})
 
     def _ok_notice(self, job: PrefillJob) -> prefill_pb2.KVNotice:
@@ -211,7 +250,7 @@ class DeltaSender:
                     job.pages_sent += batch.pages
                     job.bytes_sent += batch.nbytes
                 elif not job.failed:
-                    job.error = ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {st.reason}")
+                    job.error = ServiceError(_failure_code(st.reason), f"KV transfer failed: {st.reason}")
             if job.notify_id is not None and not job.batches:
                 st = self.transfer.status(job.notify_id)
                 if st.state is State.PENDING:
@@ -224,7 +263,7 @@ class DeltaSender:
                         self.ends.succeed(job)
                         continue
                 elif not job.failed:
-                    job.error = ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV notice failed: {st.reason}")
+                    job.error = ServiceError(_failure_code(st.reason), f"KV notice failed: {st.reason}")
             if job.failed and not job.busy:
                 self.ends.finish_failed(job)
 

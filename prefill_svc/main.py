@@ -26,7 +26,9 @@ def run(args: argparse.Namespace) -> int:
     transfer = w.start_transfer(runner)
     sched = PrefillScheduler(runner, transfer, destination_timeout_s=args.destination_timeout,
                              transfer_log=args.transfer_log, checksums=args.kv_checksums,
-                             disable_radix_cache=args.disable_radix_cache)
+                             disable_radix_cache=args.disable_radix_cache,
+                             lease_valid_for=w.registry.lease_valid_for,
+                             lease_fence_margin_s=args.lease_fence_margin)
     sched.start()
     servicer = PrefillServicer(sched, transfer, args.worker_id, vocab_size=runner.vocab_size,
                                max_context=runner.max_context)

@@ -55,11 +55,14 @@ class PrefillScheduler(SchedulerLoop):
         transfer_log: path of a JSONL file, one line per submitted batch and per notice, or None.
         checksums: put per-page checksums in every ok notice (D may also ask per destination).
         disable_radix_cache: no prefix cache on P (every prompt is computed whole).
+        lease_valid_for, lease_fence_margin_s: P's own view of its registry lease; no KV write
+            starts while it is below the margin (``DeltaSender``).
     """
 
     def __init__(self, runner: ModelRunner, transfer: KVSender, *, destination_timeout_s: float = 60.0,
                  transfer_log: str | None = None, checksums: bool = False,
-                 disable_radix_cache: bool = False):
+                 disable_radix_cache: bool = False, lease_valid_for=None,
+                 lease_fence_margin_s: float = 0.0):
         super().__init__("prefill-scheduler", runner.device, log)
         self.runner = runner
         self.transfer = transfer
@@ -75,7 +78,9 @@ class PrefillScheduler(SchedulerLoop):
         self.prefill = ChunkedPrefill(runner, runner.config.chunked_prefill_size)
         self.sender = DeltaSender(transfer, runner, self.geometry, self.book, self,
                                   destination_timeout_s=destination_timeout_s, checksums=checksums,
-                                  transfer_log=TransferLog(transfer_log))
+                                  transfer_log=TransferLog(transfer_log),
+                                  lease_valid_for=lease_valid_for,
+                                  lease_fence_margin_s=lease_fence_margin_s)
 
     # ------------------------------------------------------------------ API (any thread)
     def stop(self) -> None:

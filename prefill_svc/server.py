@@ -9,6 +9,8 @@ call (router/client gone) aborts its job.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from engine.errors import InvalidRequestError
@@ -50,6 +52,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             context.abort(e.code, str(e))
 
     def SetDestination(self, request, context):
+        received = time.monotonic()  # the write window counts from here (docs: Fencing one-sided writes)
         if not 0 < request.room <= MAX_ROOM:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"room: must be in [1, 2**63-1], got {request.room}")
         if not request.decode_segment:
@@ -62,13 +65,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"decode_segment: cannot open {request.decode_segment!r}: {e}")
         geom = PoolGeometry.from_layout(seg.kv_layout)
-        why = self.sched.offer_destination(Destination(request, seg, geom))
+        window_ms = request.write_deadline_ms
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:  # D counts its fence from its own deadline
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "SetDestination arrived past its deadline")
+        not_after = received + window_ms / 1000 if window_ms else None
+        why = self.sched.offer_destination(Destination(request, seg, geom, not_after))
         if why == "aborted":
             context.abort(grpc.StatusCode.ABORTED, f"room {request.room} was aborted or has ended")
         if why:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {request.room}: {why} destination")
         return prefill_pb2.SetDestinationResponse(prefill_segment=self.transfer.name,
-                                                  incarnation=self.transfer.incarnation)
+                                                  incarnation=self.transfer.incarnation,
+                                                  write_deadline_ms=window_ms)
 
     def Abort(self, request, context):
         found = self.sched.abort(int(request.room), request.request_id, request.reason or "abort RPC")

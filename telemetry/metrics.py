@@ -71,6 +71,9 @@ decode (decode_svc)
   - ``halfmoon_decode_evicted_pages_total`` counter: radix-cache pages evicted (LRU) to make room.
   - ``halfmoon_decode_kv_wait_seconds`` histogram: pre-allocation done → KV committed (notice
     verified), per request.
+  - ``halfmoon_decode_quarantine_releases_total`` counter {cause}: quarantined destination rooms
+    released; cause ∈ :data:`QUARANTINE_RELEASE_CAUSES` (notice, rejected, process_gone,
+    new_incarnation, fence_deadline). fence_deadline means P never answered within its write fence.
 registry (transfer_svc registry service, ``halfmoon serve-transfer``)
   - ``halfmoon_registry_workers`` gauge {role}: live registered workers; role ∈ {prefill, decode}.
   - ``halfmoon_registry_expired_leases_total`` counter: segments dropped because heartbeats stopped.
@@ -101,7 +104,7 @@ disable_created_metrics()
 
 __all__ = [
     "ROLES", "GROUPS_BY_ROLE", "REQUEST_STATUSES", "PREFILL_QUEUES", "DECODE_QUEUES",
-    "KV_PAGE_STATES", "TRANSFER_FAILURE_REASONS", "REGISTRY_LOOKUP_RESULTS", "METRICS_BY_GROUP",
+    "KV_PAGE_STATES", "TRANSFER_FAILURE_REASONS", "QUARANTINE_RELEASE_CAUSES", "REGISTRY_LOOKUP_RESULTS", "METRICS_BY_GROUP",
     "build_registry", "start_metrics_server", "stop_metrics_servers",
 ]
 
@@ -111,6 +114,7 @@ RETRY_LEGS = ("prefill", "decode")
 PREFILL_QUEUES = ("waiting_destination", "prefilling", "transferring")
 DECODE_QUEUES = ("prealloc", "transfer", "waiting")
 KV_PAGE_STATES = ("free", "evictable", "locked", "owned")
+QUARANTINE_RELEASE_CAUSES = ("notice", "rejected", "process_gone", "new_incarnation", "fence_deadline")
 TRANSFER_FAILURE_REASONS = (
     "timeout", "peer_unreachable", "remote_error", "checksum_mismatch", "aborted", "other")
 WORKER_ROLES = ("prefill", "decode")
@@ -227,6 +231,10 @@ DECODE_KV_WAIT_SECONDS = Histogram(
     "halfmoon_decode_kv_wait_seconds",
     "Seconds from pre-allocation to the KV commit (completion notice verified), per request.",
     buckets=KV_WAIT_BUCKETS, registry=_R)
+DECODE_QUARANTINE_RELEASES = Counter(
+    "halfmoon_decode_quarantine_releases_total",
+    "Quarantined destination rooms released, by cause (P's notice, rejected, P proven gone, fence).",
+    ["cause"], registry=_R)
 
 # --- registry -----------------------------------------------------------------------------------
 REGISTRY_WORKERS = Gauge(
@@ -254,6 +262,8 @@ for _q in DECODE_QUEUES:
     DECODE_QUEUE.labels(queue=_q)
 for _s in KV_PAGE_STATES:
     DECODE_KV_PAGES.labels(state=_s)
+for _c in QUARANTINE_RELEASE_CAUSES:
+    DECODE_QUARANTINE_RELEASES.labels(cause=_c)
 
 METRICS_BY_GROUP: dict[str, tuple] = {
     "router": (ROUTER_REQUESTS, ROUTER_TTFT, ROUTER_ITL, ROUTER_E2E, ROUTER_RETRIES,
@@ -263,7 +273,7 @@ METRICS_BY_GROUP: dict[str, tuple] = {
     "transfer": (TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES),
     "decode": (DECODE_QUEUE, DECODE_RUNNING, DECODE_KV_USAGE, DECODE_KV_PAGES, DECODE_PROMPT_TOKENS,
                DECODE_PREFIX_HIT_TOKENS, DECODE_GENERATED_TOKENS, DECODE_EVICTED_PAGES,
-               DECODE_KV_WAIT_SECONDS),
+               DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES),
     "registry": (REGISTRY_WORKERS, REGISTRY_EXPIRED_LEASES, REGISTRY_LOOKUPS),
 }
 # role of a process -> metric groups it exports (transfer is counted on the sender = prefill).

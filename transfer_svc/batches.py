@@ -32,6 +32,7 @@ class Batch:
     timeout: float = 0.0   # seconds from submit to deadline
     nops: int = 0          # UCX operations posted (after coalescing)
     after: "Batch | None" = None  # notify only: the last batch to its segment before it
+    not_after: float | None = None  # monotonic seconds: refused (FAILED) if not posted by then
     request: int = 0       # pending ucp request (flush or am send)
     keep: object = None    # buffers that must outlive the request
     event: threading.Event = field(default_factory=threading.Event)

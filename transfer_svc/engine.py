@@ -36,7 +36,7 @@ from protos import registry_pb2
 from transfer_svc import ucp
 from transfer_svc.batches import BatchTable
 from transfer_svc.inbox import NOTIFY_AM_ID, NotifyInbox
-from transfer_svc.inflight import Inflight
+from transfer_svc.inflight import WRITE_DEADLINE_PASSED, Inflight
 from transfer_svc.liveness import host_id, pid_start_ticks
 from transfer_svc.memory import LocalMemory
 from transfer_svc.progress import ProgressThread, WorkerConfig
@@ -48,7 +48,7 @@ from transfer_svc.ucp import UCXError
 
 __all__ = ["TransferEngine", "Op", "State", "BatchStatus", "Notify", "Region", "Segment",
            "TransferError", "SegmentClosed", "DescriptorError", "BoundsError", "UCXError",
-           "NOTIFY_AM_ID", "host_id", "pid_start_ticks"]
+           "NOTIFY_AM_ID", "WRITE_DEADLINE_PASSED", "host_id", "pid_start_ticks"]
 
 
 class _Setting:
@@ -195,15 +195,22 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ transfers
     def submit(self, seg: Segment, descs: Sequence[tuple[int, int, int]], op: Op = Op.WRITE, *,
-               timeout_s: float | None = None, coalesce: bool = True) -> int:
+               timeout_s: float | None = None, coalesce: bool = True,
+               not_after: float | None = None) -> int:
         """Submit one asynchronous batch of (local addr, remote addr, nbytes) transfers -> batch id.
 
         op WRITE puts local -> remote, READ gets remote -> local. Every local range must lie in one
         registered region and every remote range in one region of `seg`'s descriptor; otherwise
         BoundsError is raised and nothing is posted. With `coalesce`, descriptors that continue the
         previous one on both sides are merged (fewer, larger UCX ops). Raises SegmentClosed when the
-        handle was dropped. Never blocks on the network."""
-        return self._transfers.submit(seg, descs, op, timeout_s=timeout_s, coalesce=coalesce)
+        handle was dropped. Never blocks on the network.
+
+        `not_after` (time.monotonic() seconds) fences the writer: the progress thread checks it
+        right before posting the first put, and a batch not posted by then FAILS with "write
+        deadline passed" without touching the peer's memory (docs/architecture.md, Fencing
+        one-sided writes)."""
+        return self._transfers.submit(seg, descs, op, timeout_s=timeout_s, coalesce=coalesce,
+                                      not_after=not_after)
 
     def status(self, bid: int) -> BatchStatus:
         """PENDING / COMPLETED / FAILED(reason) of a batch (or a notify), with bytes done."""
@@ -219,12 +226,14 @@ class TransferEngine:
         self._batches.release(bid)
 
     # ------------------------------------------------------------------ notifies
-    def send_notify(self, seg: Segment, payload: bytes, *, timeout_s: float | None = None) -> int:
+    def send_notify(self, seg: Segment, payload: bytes, *, timeout_s: float | None = None,
+                    not_after: float | None = None) -> int:
         """Send a small message to `seg`'s owner -> id (status/wait like a batch). It is sent only
         after every batch submitted earlier to that segment COMPLETED (UCX flush = remote
         completion), so the peer sees it after those bytes are in place; if one of them FAILED the
-        notify FAILS too and is not sent. payload: bytes, at most 64 KiB (eager AM)."""
-        return self._transfers.send_notify(seg, payload, timeout_s=timeout_s)
+        notify FAILS too and is not sent. payload: bytes, at most 64 KiB (eager AM). `not_after`:
+        as for submit, checked right before the message goes out."""
+        return self._transfers.send_notify(seg, payload, timeout_s=timeout_s, not_after=not_after)
 
     def poll_notifies(self) -> list[Notify]:
         """Notifies received since the last call, in arrival order (never blocks)."""

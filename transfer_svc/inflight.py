@@ -19,6 +19,7 @@ halfmoon_transfer_batch_seconds (submit -> remote completion), halfmoon_transfer
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from typing import Sequence
 
@@ -34,11 +35,28 @@ from transfer_svc.types import Op, RemoteRegion, Segment, State
 # One UCX operation: (local addr, remote addr, nbytes, local memh, remote region)
 RmaOp = tuple[int, int, int, int, RemoteRegion]
 
+WRITE_DEADLINE_PASSED = "write deadline passed"
+
+
+def put_delay_hook_s() -> float:
+    """Test hook: env HALFMOON_TEST_PUT_DELAY_S, seconds the progress thread sleeps before posting
+    each WRITE batch (so a test can stop the process in the middle of a multi-batch write). Never
+    set it in production: the progress thread serves every batch and notify of the engine."""
+    try:
+        return float(os.environ.get("HALFMOON_TEST_PUT_DELAY_S", "0") or 0)
+    except ValueError:
+        return 0.0
+
+
+def deadline_passed(b: Batch) -> bool:
+    """Whether ``b`` carries a write deadline (``not_after``) that has passed."""
+    return b.not_after is not None and time.monotonic() > b.not_after
+
 
 def failure_label(reason: str) -> str:
     """Map a failure reason to halfmoon_transfer_failures_total's `reason` label."""
     r = reason.lower()
-    if "timed out" in r:
+    if "timed out" in r or WRITE_DEADLINE_PASSED in r:
         return "timeout"
     if "closed by the user" in r or "engine closed" in r:
         return "aborted"
@@ -68,10 +86,16 @@ class Inflight(LoopWork, SegmentWork):
 
     # ------------------------------------------------------------------ posting
     def post_batch(self, b: Batch, ops: Sequence[RmaOp], op: Op) -> None:
-        """Post every put (WRITE) or get (READ) of `b`, then the flush it completes with."""
+        """Post every put (WRITE) or get (READ) of `b`, then the flush it completes with. A batch
+        whose write deadline passed is refused here, the last moment before the puts."""
         seg = b.segment
+        if op is Op.WRITE and put_delay_hook_s() > 0:
+            time.sleep(put_delay_hook_s())
         if not seg.alive or not seg._ep:
             self.finish(b, State.FAILED, f"segment {seg.name!r} dropped: {seg.failure}")
+            return
+        if deadline_passed(b):
+            self.finish(b, State.FAILED, WRITE_DEADLINE_PASSED)
             return
         lib = self._lib
         fn = lib.ucp_put_nbx if op is Op.WRITE else lib.ucp_get_nbx
@@ -124,6 +148,9 @@ class Inflight(LoopWork, SegmentWork):
                 continue
             if after is not None and after.state is State.FAILED:
                 self.finish(b, State.FAILED, f"earlier batch {after.bid} failed: {after.reason}")
+                continue
+            if deadline_passed(b):
+                self.finish(b, State.FAILED, WRITE_DEADLINE_PASSED)
                 continue
             header, payload = b.keep
             req = self._lib.ucp_am_send_nbx(seg._ep, NOTIFY_AM_ID, header, len(header), payload,

@@ -39,7 +39,8 @@ class Transfers:
             b, State.FAILED, f"internal error: {e!r}"))
 
     def submit(self, seg: Segment, descs: Sequence[tuple[int, int, int]], op: Op = Op.WRITE, *,
-               timeout_s: float | None = None, coalesce: bool = True) -> int:
+               timeout_s: float | None = None, coalesce: bool = True,
+               not_after: float | None = None) -> int:
         """One batch of (local addr, remote addr, nbytes) transfers -> batch id; see
         TransferEngine.submit. Raises TypeError, ValueError, BoundsError, SegmentClosed."""
         if not isinstance(seg, Segment):
@@ -50,6 +51,7 @@ class Transfers:
         b = self._batches.new(seg, sum(o[2] for o in ops), timeout_s)
         b.nops = len(ops)
         b.kind = "write" if op is Op.WRITE else "read"
+        b.not_after = not_after
         self._post(self._inflight.post_batch, b, ops, op)
         return b.bid
 
@@ -80,7 +82,8 @@ class Transfers:
                 ops.append((laddr, raddr, n, lreg.memh, rreg))
         return ops
 
-    def send_notify(self, seg: Segment, payload: bytes, *, timeout_s: float | None = None) -> int:
+    def send_notify(self, seg: Segment, payload: bytes, *, timeout_s: float | None = None,
+                    not_after: float | None = None) -> int:
         """Queue a notify of at most NOTIFY_MAX_BYTES -> id; see TransferEngine.send_notify.
         Raises TypeError, ValueError (too large), SegmentClosed."""
         if not isinstance(seg, Segment):
@@ -92,6 +95,7 @@ class Transfers:
         _check_alive(seg)
         b = self._batches.new(seg, len(payload), timeout_s)
         b.kind = "notify"
+        b.not_after = not_after
         b.keep = (self._sender, payload)
         self._post(self._inflight.queue_notify, b)
         return b.bid

@@ -94,6 +94,9 @@ ROWS = [
          quantiles("halfmoon_decode_kv_wait_seconds")),
         ("Evicted pages per second", "timeseries", "short", "Decode radix-cache pages evicted to make room.",
          [("sum by (instance) (rate(halfmoon_decode_evicted_pages_total[1m]))", "{{instance}}")]),
+        ("Quarantine releases by cause", "timeseries", "short",
+         "Quarantined destination rooms released per second (5m): fence_deadline means a prefill worker never answered.",
+         [("sum by (cause) (rate(halfmoon_decode_quarantine_releases_total[5m]))", "{{cause}}")]),
     ]),
     ("KV cache", [
         ("Decode KV pool usage", "timeseries", "percentunit",

@@ -196,10 +196,12 @@ class FakeTransfer:
             return seg
 
     # ------------------------------------------------------------------ KVSender
-    def submit(self, seg: FakeSegment, descs: Sequence[tuple[int, int, int]]) -> int:
+    def submit(self, seg: FakeSegment, descs: Sequence[tuple[int, int, int]], *,
+               not_after: float | None = None) -> int:
         """Queue writes of ``(local_addr, remote_addr, nbytes)``; returns the batch id. Raises
         SegmentClosed (dropped handle) or BoundsError (a range outside registered/published
-        memory) before anything is queued."""
+        memory) before anything is queued. ``not_after`` is accepted and not enforced (the fake
+        has no progress thread to be late on)."""
         with self.fabric.lock:
             self._check_alive(seg)
             writes = [(int(a), int(b), int(n)) for a, b, n in descs]
@@ -212,7 +214,7 @@ class FakeTransfer:
             return self._queue(_Batch(self.fabric.next_id(), seg, sum(w[2] for w in writes), writes,
                                       sender=self.name))
 
-    def send_notify(self, seg: FakeSegment, payload: bytes) -> int:
+    def send_notify(self, seg: FakeSegment, payload: bytes, *, not_after: float | None = None) -> int:
         """Queue a notice to ``seg``'s owner behind every earlier batch on the handle; its id."""
         with self.fabric.lock:
             self._check_alive(seg)

@@ -24,6 +24,7 @@ import torch
 
 from decode_svc.jobs import DecodeJob, DestState, JobState
 from decode_svc.messages import DestResult, Notice, PeerGone
+from decode_svc.quarantine import FencePolicy
 from decode_svc.scheduler import DecodeScheduler
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
@@ -104,7 +105,7 @@ class StubNet:
         self.aborts: list[tuple] = []
         self.alive_checks: list[set] = []
 
-    def set_destination(self, address, dest, request_id):
+    def set_destination(self, address, dest, request_id, deadline=None):
         assert address == P_ADDR
         self.dests[int(dest.room)] = dest
         if self.reply is not None:
@@ -225,6 +226,11 @@ def outcome(job) -> tuple[list[int], object]:
 
 def code(end) -> grpc.StatusCode | None:
     return end.code if isinstance(end, ServiceError) else None
+
+
+def released(cause: str) -> float:
+    """halfmoon_decode_quarantine_releases_total{cause} in this process."""
+    return M.DECODE_QUARANTINE_RELEASES.labels(cause=cause)._value.get()
 
 
 PROMPT = [5, 17, 33, 2, 41, 8, 60, 12, 9, 70]  # 10 tokens: 2 full pages + 2
@@ -439,26 +445,34 @@ def test_abort_while_waiting_and_running(model, reference):
     assert d.load().accounting.evictable_pages >= 2  # the committed prompt pages stay cached
 
 
-def test_kv_wait_timeout_then_fence_timeout(model):
-    d = Decode(model, kv_wait_timeout_s=0.05, fence_timeout_s=1.0)
+def test_kv_wait_timeout_then_fence_deadline(model):
+    fence = FencePolicy(rpc_timeout_s=0.2, write_window_s=0.3, margin_s=0.3)
+    d = Decode(model, kv_wait_timeout_s=0.05, fence=fence)
+    before = released("fence_deadline")
+    t0 = time.monotonic()
     job = d.submit(PROMPT)
     d.tick()
+    dest = d.net.dests[job.room]
+    assert dest.write_deadline_ms == 300  # the window P applies
+    assert t0 + 0.8 <= job.fence_at <= time.monotonic() + 0.8  # RPC deadline + window + margin
     time.sleep(0.08)
     d.tick()
     assert code(outcome(job)[1]) is grpc.StatusCode.DEADLINE_EXCEEDED
     assert len(d.net.aborts) == 1 and d.load().accounting.held_rooms == 1
+    d.sched.post(PeerGone(P_SEG, P_INC, "absent"))  # an expired lease proves nothing
     d.tick()
     assert d.load().accounting.owned_pages == 3  # still fenced: P may be writing
-    time.sleep(1.05)
+    time.sleep(max(0.0, job.fence_at - time.monotonic()) + 0.05)
     d.tick()
     d.assert_idle()
+    assert released("fence_deadline") == before + 1
 
 
 def test_peer_gone_fails_transfers_and_releases_quarantine(model):
     d = Decode(model, liveness_interval_s=0.0)
     waiting, aborted = d.submit(PROMPT), d.submit(PROMPT)
     d.tick(2)  # pre-allocated, then SetDestination's answer names P's segment
-    assert d.net.alive_checks[-1] == {(P_SEG, P_INC)}
+    assert d.net.alive_checks[-1] == {(P_SEG, P_INC, None)}
     d.sched.abort(aborted.room, aborted.request_id, "x")
     d.tick()
     d.sched.post(PeerGone(P_SEG, "other-incarnation"))

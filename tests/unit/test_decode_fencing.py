@@ -1,0 +1,142 @@
+"""D's release rules for quarantined destination pages (docs/architecture.md, Fencing one-sided
+writes): only P's answer, a rejection proving P holds nothing, proof that P is gone or the fence
+deadline free them; a registry record that is merely absent decides nothing."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from decode_svc.jobs import DestState, JobState
+from decode_svc.messages import DestResult, PeerGone, ProcessId
+from decode_svc.peers import PrefillPeers, destination_state
+from protos import prefill_pb2
+from tests.unit.test_decode_scheduler import P_INC, P_SEG, PROMPT, Decode, code, model, outcome, released  # noqa: F401
+from transfer_svc.engine import host_id, pid_start_ticks
+
+
+def _pages(d) -> int:
+    return d.load().accounting.owned_pages
+
+
+def test_absent_record_fails_fast_but_keeps_pages_until_the_notice(model):
+    d = Decode(model)
+    waiting, aborted = d.submit(PROMPT), d.submit(PROMPT)
+    d.tick(2)
+    d.sched.abort(aborted.room, aborted.request_id, "x")
+    d.tick()
+    before = released("notice")
+    d.sched.post(PeerGone(P_SEG, P_INC, "absent"))
+    d.tick()
+    assert code(outcome(waiting)[1]) is grpc.StatusCode.UNAVAILABLE  # the router may retry now
+    a = d.load().accounting
+    assert a.held_rooms == 2 and a.owned_pages == 6  # both rooms' pages stay quarantined
+    for job in (waiting, aborted):
+        d.recv.send(prefill_pb2.KVNotice(room=job.room, ok=False, error="aborted"))
+    d.tick()
+    d.assert_idle()
+    assert released("notice") == before + 2
+
+
+@pytest.mark.parametrize("cause", ["process_gone", "new_incarnation"])
+def test_proof_of_death_releases(model, cause):
+    d = Decode(model, liveness_interval_s=0.0)
+    d.net.reply = None
+    job = d.submit(PROMPT)
+    d.tick()
+    proc = ProcessId("host-a", 4242, 99)
+    d.sched.post(DestResult(job.room, DestState.ACCEPTED, P_SEG, P_INC, process=proc))
+    d.tick()
+    assert (P_SEG, P_INC, proc) in d.net.alive_checks[-1]  # the process travels with the pages
+    d.sched.abort(job.room, job.request_id, "x")
+    d.tick(2)
+    assert (P_SEG, P_INC, proc) in d.net.alive_checks[-1]
+    before = released(cause)
+    d.sched.post(PeerGone(P_SEG, "another-inc", cause))
+    d.tick()
+    assert _pages(d) == 3  # another incarnation's death says nothing about this one
+    d.sched.post(PeerGone(P_SEG, P_INC, cause))
+    d.tick()
+    d.assert_idle()
+    assert released(cause) == before + 1
+
+
+def test_rejected_destination_releases_at_once(model):
+    d = Decode(model)
+    d.net.reply = None
+    job = d.submit(PROMPT)
+    d.tick()
+    d.sched.abort(job.room, job.request_id, "x")
+    d.tick()
+    before = released("rejected")
+    d.sched.post(DestResult(job.room, DestState.REJECTED, error="ABORTED: room was aborted"))
+    d.tick()
+    d.assert_idle()
+    assert released("rejected") == before + 1
+
+
+class _Err(grpc.RpcError):
+    def __init__(self, code, details):
+        self._c, self._d = code, details
+
+    def code(self):
+        return self._c
+
+    def details(self):
+        return self._d
+
+
+@pytest.mark.parametrize("code_, details, state", [
+    (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: UNKNOWN: "
+     "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused", DestState.REJECTED),
+    (grpc.StatusCode.UNAVAILABLE, "Connection reset by peer", DestState.UNKNOWN),
+    (grpc.StatusCode.UNAVAILABLE, "Socket closed", DestState.UNKNOWN),
+    (grpc.StatusCode.UNAVAILABLE, "recvmsg:Connection reset by peer (failed to connect?)", DestState.UNKNOWN),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", DestState.UNKNOWN),
+    (grpc.StatusCode.FAILED_PRECONDITION, "page size", DestState.REJECTED),
+])
+def test_destination_errors_are_unknown_unless_nothing_was_sent(code_, details, state):
+    assert destination_state(_Err(code_, details)) is state
+
+
+class _Registry:
+    def __init__(self, desc=None):
+        self.desc = desc
+
+    def get_segment(self, name, refresh=False):
+        if self.desc is None:
+            raise KeyError(name)
+        return self.desc
+
+
+def test_liveness_proves_death_only_from_the_process_or_a_new_incarnation():
+    import os
+
+    from protos import registry_pb2
+
+    peers = PrefillPeers(lambda m: None, registry=_Registry())
+    try:
+        me = host_id()
+        alive = ProcessId(me, os.getpid(), pid_start_ticks(os.getpid()))
+        dead = ProcessId(me, os.getpid(), pid_start_ticks(os.getpid()) + 1)  # pid reused by another start
+        # no registry record at all: the recorded process still decides
+        assert peers._gone(P_SEG, P_INC, alive) == ""
+        assert peers._gone(P_SEG, P_INC, dead) == "process_gone"
+        assert peers._gone(P_SEG, P_INC, None) == "absent"
+        assert peers._gone(P_SEG, P_INC, ProcessId("other-host", 1, 1)) == "absent"
+        peers.registry.desc = registry_pb2.SegmentDescriptor(name=P_SEG, incarnation="inc-2")
+        assert peers._gone(P_SEG, P_INC, None) == "new_incarnation"
+        peers.registry.desc = registry_pb2.SegmentDescriptor(name=P_SEG, incarnation=P_INC)
+        assert peers._gone(P_SEG, P_INC, None) == ""
+    finally:
+        peers.close()
+
+
+def test_a_job_whose_p_is_proven_gone_frees_its_pages_without_quarantine(model):
+    d = Decode(model)
+    job = d.submit(PROMPT)
+    d.tick(2)
+    d.sched.post(PeerGone(P_SEG, P_INC, "process_gone"))
+    d.tick()
+    assert code(outcome(job)[1]) is grpc.StatusCode.UNAVAILABLE and job.state is JobState.DONE
+    d.assert_idle()
