@@ -71,7 +71,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                              "destination waits for its request) before it fails")
     parser.add_argument("--kv-wait-timeout", type=float, default=180.0,
                         help="[decode] seconds a pre-allocated request waits for P's KV and notice")
-    parser.add_argument("--kv-write-window", type=float, default=30.0,
+    parser.add_argument("--kv-write-window", type=float, default=120.0,
                         help="[decode] seconds after receiving a KV destination during which P may start "
                              "writing it (sent to P, which refuses writes after it)")
     parser.add_argument("--fence-margin", type=float, default=30.0,
