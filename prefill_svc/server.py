@@ -42,8 +42,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         job = PrefillJob(request_id=request.request_id, room=int(request.room),
                          prompt_ids=list(request.input_ids), params=params)
         fut = self.sched.submit(job)
-        context.add_callback(lambda: fut.done() or self.sched.abort(job.room, job.request_id,
-                                                                    "prefill call cancelled"))
+        context.add_callback(lambda: fut.done() or self.sched.abort_job(job, "prefill call cancelled"))
         try:
             return fut.result()
         except ServiceError as e:
