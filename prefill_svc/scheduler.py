@@ -84,8 +84,8 @@ class PrefillScheduler(SchedulerLoop):
 
     def submit(self, job: PrefillJob) -> Future:
         """Queue ``job``; the future gets a ``prefill_pb2.PrefillResult`` once D has the KV and the
-        ok notice, or a ``ServiceError``: ALREADY_EXISTS (room in use), ABORTED (room aborted or
-        ended), RESOURCE_EXHAUSTED (cannot fit an idle pool), FAILED_PRECONDITION (destination does
+        ok notice, or a ``ServiceError``: ALREADY_EXISTS (room in use), ABORTED (room aborted, or
+        its destination expired), FAILED_PRECONDITION (room ended), RESOURCE_EXHAUSTED (cannot fit an idle pool), FAILED_PRECONDITION (destination does
         not match), DEADLINE_EXCEEDED (no destination in time), UNAVAILABLE (transfer failed, or
         shutting down), CANCELLED (aborted), INTERNAL (scheduler error)."""
         if not self.known.claim(job):
@@ -181,8 +181,7 @@ class PrefillScheduler(SchedulerLoop):
 
     def _accept(self, job: PrefillJob) -> None:
         refused = (ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"room {job.room} is already in use")
-                   if job.room in self.jobs else ServiceError(grpc.StatusCode.ABORTED, f"room {job.room} was aborted")
-                   if self.book.is_aborted(job.room) else None)
+                   if job.room in self.jobs else self.book.refusal(job.room))
         if refused is not None:
             self.known.discard(job)  # only what this job claimed
             job.reply.set_exception(refused)

@@ -13,6 +13,7 @@ import grpc
 
 from engine.errors import InvalidRequestError
 from pd_common.protocol import MAX_ROOM, ServiceError, validate_request
+from prefill_svc.destinations import tombstone_error
 from prefill_svc.jobs import Destination, PrefillJob
 from prefill_svc.kv_runs import PoolGeometry
 from prefill_svc.scheduler import PrefillScheduler
@@ -53,8 +54,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"room: must be in [1, 2**63-1], got {request.room}")
         if not request.decode_segment:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_segment: empty")
-        if self.sched.book.is_aborted(int(request.room)):
-            context.abort(grpc.StatusCode.ABORTED, f"room {request.room} was aborted or has ended")
+        refused = self.sched.book.refusal(int(request.room))
+        if refused:
+            context.abort(refused.code, str(refused))
         try:
             seg = self.sched.open_segment(request.decode_segment)
         except Exception as e:
@@ -62,8 +64,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                           f"decode_segment: cannot open {request.decode_segment!r}: {e}")
         geom = PoolGeometry.from_layout(seg.kv_layout)
         why = self.sched.offer_destination(Destination(request, seg, geom))
-        if why == "aborted":
-            context.abort(grpc.StatusCode.ABORTED, f"room {request.room} was aborted or has ended")
+        if why and why != "duplicate":
+            refused = tombstone_error(int(request.room), why)
+            context.abort(refused.code, str(refused))
         if why:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {request.room}: {why} destination")
         return prefill_pb2.SetDestinationResponse(prefill_segment=self.transfer.name,

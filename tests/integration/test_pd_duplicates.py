@@ -12,8 +12,10 @@ from __future__ import annotations
 import secrets
 import time
 
+import grpc
 import pytest
 
+from protos import prefill_pb2
 from tests.integration.conftest import assert_idle_accounting, get_load, model_available, start_stack
 from tests.integration.pd_driver import PDDriver, sampling
 
@@ -108,4 +110,22 @@ def test_one_request_id_in_two_rooms_abort_by_id_ends_both(stack, drv, ref):
     for call in (a, b):
         r = call.wait()
         assert r.decode_error and r.decode_error[0] == "CANCELLED", r
+    assert_healthy(stack, drv, ref)
+
+
+def test_a_completed_room_is_refused_as_ended_not_aborted(stack, drv, ref):
+    done = drv.generate(PROMPT, params=LONG)
+    assert done.ok and done.tokens == ref, done
+    room = done.room
+    late = drv.start(PROMPT, LONG, room=room, send_decode=False).wait()
+    assert late.prefill_error == ("FAILED_PRECONDITION",
+                                  f"room {room} has ended (a room is used by one request only)"), late
+    with pytest.raises(grpc.RpcError) as e:   # a late destination for it is never taken
+        drv.prefill.SetDestination(prefill_pb2.KVDestination(room=room, decode_segment="decode-0"), timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "has ended" in e.value.details()
+    # an aborted room still says so
+    aborted = secrets.randbits(63) or 1
+    drv.abort(aborted, prefill=True, decode=False)
+    late = drv.start(PROMPT, LONG, room=aborted, send_decode=False).wait()
+    assert late.prefill_error == ("ABORTED", f"room {aborted} was aborted"), late
     assert_healthy(stack, drv, ref)
