@@ -32,6 +32,7 @@ import grpc
 from decode_svc.jobs import DecodeJob, DestState, JobState
 from decode_svc.kv_wait import KVWaitQueue
 from decode_svc.messages import DestResult, Notice, PeerGone, PrefillNet
+from decode_svc.page_checksums import PageChecksums
 from decode_svc.prealloc import PreallocQueue
 from decode_svc.quarantine import Quarantine
 from decode_svc.running import RunningBatch
@@ -62,7 +63,7 @@ class DecodeScheduler(SchedulerLoop):
         segment_name: D's segment name (sent to P in the destination).
         eos_token_ids: stop ids of the model; tokenizer: for stop strings (None: rejected).
         max_running: running-batch cap; disable_radix_cache: no prefix reuse on D.
-        checksums: verify per-page checksums of the delta.
+        checksums: verify per-page checksums of the delta, and of cached pages a prefix hit reuses.
         kv_wait_timeout_s: a request waiting for KV this long fails (DEADLINE_EXCEEDED).
         fence_timeout_s: quarantined pages with no notice and a live P are released after this
             (default 2 x kv_wait_timeout_s).
@@ -84,7 +85,9 @@ class DecodeScheduler(SchedulerLoop):
         self.tokenizer = tokenizer
         alloc = runner.allocator
         cache = NullPrefixCache() if disable_radix_cache else RadixCache(runner.page_size, alloc)
-        self.kv = CacheManager(alloc, runner.req_to_token_pool, cache, on_evict=M.DECODE_EVICTED_PAGES.inc)
+        self.page_sums = PageChecksums(runner.kv_pool) if checksums and cache.enabled else None
+        self.kv = CacheManager(alloc, runner.req_to_token_pool, cache, on_evict=M.DECODE_EVICTED_PAGES.inc,
+                               on_cached=self.page_sums and self.page_sums.record)
         self.jobs: dict[int, DecodeJob] = {}  # every live job by room, in arrival order
         fence = fence_timeout_s if fence_timeout_s is not None else 2 * kv_wait_timeout_s
         self.quarantine = Quarantine(alloc, net, fence)
@@ -93,7 +96,8 @@ class DecodeScheduler(SchedulerLoop):
         self.kv_wait = KVWaitQueue(runner, self.kv, net, self.quarantine, self._fail, checksums=checksums,
                                    timeout_s=kv_wait_timeout_s, liveness_interval_s=liveness_interval_s)
         self.prealloc = PreallocQueue(self.kv, net, self.kv_wait, segment_name=segment_name,
-                                      max_context=runner.max_context, checksums=checksums)
+                                      max_context=runner.max_context, checksums=checksums,
+                                      page_sums=self.page_sums)
         self._arrivals = itertools.count()
         self._notice_thread = threading.Thread(target=self._pump_notices, name="decode-notices", daemon=True)
 

@@ -87,7 +87,9 @@ ROWS = [
          [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_decode_kv_wait_seconds_bucket[1m])))", "p50"),
           ("histogram_quantile(0.99, sum by (le) (rate(halfmoon_decode_kv_wait_seconds_bucket[1m])))", "p99")]),
         ("Evicted pages per second", "timeseries", "short", "Decode radix-cache pages evicted to make room.",
-         [("sum by (instance) (rate(halfmoon_decode_evicted_pages_total[1m]))", "{{instance}}")]),
+         [("sum by (instance) (rate(halfmoon_decode_evicted_pages_total[1m]))", "{{instance}}"),
+          ("sum by (instance) (rate(halfmoon_decode_kv_checksum_mismatches_total[1m]))",
+           "{{instance}} checksum mismatches")]),
     ]),
     ("KV cache", [
         ("Decode KV pool usage", "timeseries", "percentunit",

@@ -18,6 +18,7 @@ import pytest
 from protos import prefill_pb2
 from tests.integration.conftest import assert_idle_accounting, get_load, model_available, start_stack
 from tests.integration.pd_driver import PDDriver, sampling
+from tests.integration.test_pd_abort import wait_until
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="SmolLM2 is not pulled (halfmoon models pull)")
 
@@ -43,15 +44,6 @@ def ref(drv):
     r = drv.generate(PROMPT, params=LONG)
     assert r.ok and len(r.tokens) == 160, r
     return r.tokens
-
-
-def wait_until(pred, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def assert_healthy(stack, drv, ref):
