@@ -19,6 +19,7 @@ from decode_svc.jobs import DecodeJob, DestState
 from decode_svc.kv_wait import KVWaitQueue
 from decode_svc.messages import PrefillNet
 from decode_svc.quarantine import FencePolicy
+from decode_svc.page_checksums import PageChecksums
 from engine.kvcache.cache_manager import CacheManager
 from protos import prefill_pb2
 from telemetry import metrics as M
@@ -37,11 +38,14 @@ class PreallocQueue:
         max_context: tokens per row.
         checksums: ask P for per-page checksums.
         fence: the write window sent to P and the fence deadline of each destination.
+        page_sums: verifies a prefix hit's pages before they are reused (None: not checked).
     """
 
     def __init__(self, kv: CacheManager, net: PrefillNet, kv_wait: KVWaitQueue, *, segment_name: str,
-                 max_context: int, checksums: bool, fence: FencePolicy = FencePolicy()):
+                 max_context: int, checksums: bool, fence: FencePolicy = FencePolicy(),
+                 page_sums: PageChecksums | None = None):
         self.kv = kv
+        self.page_sums = page_sums
         self.net = net
         self.kv_wait = kv_wait
         self.max_context = max_context
@@ -83,8 +87,7 @@ class PreallocQueue:
 
     def _admit(self, job: DecodeJob) -> bool:
         n = len(job.prompt_ids)
-        lease = self.kv.admit(job.prompt_ids, match_len=n,
-                              alloc_len=self.reserve_len(n, job.params.max_tokens))
+        lease = self._lease(job)
         if lease is None:
             return False
         pre = lease.pre_len
@@ -99,3 +102,13 @@ class PreallocQueue:
         dest = self._destination(room=job.room, dst_page_ids=job.dst_pages, pre_len=pre, prompt_len=n)
         self.net.set_destination(job.prefill_address, dest, job.request_id, self.fence.stamp(job))
         return True
+
+    def _lease(self, job: DecodeJob):
+        n = len(job.prompt_ids)
+        while True:
+            lease = self.kv.admit(job.prompt_ids, match_len=n,
+                                  alloc_len=self.reserve_len(n, job.params.max_tokens))
+            # a bad cached page left the tree with what follows it: the next match is shorter
+            if lease is None or self.page_sums is None or not self.page_sums.cut_bad_prefix(
+                    self.kv, lease, job.prompt_ids):
+                return lease

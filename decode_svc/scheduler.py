@@ -32,13 +32,14 @@ import grpc
 from decode_svc.jobs import DecodeJob, DestState, JobState
 from decode_svc.kv_wait import KVWaitQueue
 from decode_svc.messages import DestResult, Notice, PeerGone, PrefillNet
+from decode_svc.page_checksums import PageChecksums
 from decode_svc.prealloc import PreallocQueue
 from decode_svc.quarantine import FencePolicy, Quarantine
 from decode_svc.running import RunningBatch
 from engine.kvcache.cache_manager import CacheManager
 from engine.kvcache.prefix_cache import NullPrefixCache
 from engine.kvcache.radix_cache import RadixCache
-from pd_common.inbox import Abort, LoadQuery, Submit
+from pd_common.inbox import Abort, LoadQuery, Submit, abort_targets
 from pd_common.kv_transport import KVReceiver
 from pd_common.protocol import ServiceError
 from pd_common.scheduler_loop import SchedulerLoop
@@ -62,7 +63,7 @@ class DecodeScheduler(SchedulerLoop):
         segment_name: D's segment name (sent to P in the destination).
         eos_token_ids: stop ids of the model; tokenizer: for stop strings (None: rejected).
         max_running: running-batch cap; disable_radix_cache: no prefix reuse on D.
-        checksums: verify per-page checksums of the delta.
+        checksums: verify per-page checksums of the delta, and of cached pages a prefix hit reuses.
         kv_wait_timeout_s: a request waiting for KV this long fails (DEADLINE_EXCEEDED).
         fence: the write window sent to P and when quarantined pages of a silent P may be reused
             (``decode_svc.quarantine.FencePolicy``).
@@ -84,7 +85,9 @@ class DecodeScheduler(SchedulerLoop):
         self.tokenizer = tokenizer
         alloc = runner.allocator
         cache = NullPrefixCache() if disable_radix_cache else RadixCache(runner.page_size, alloc)
-        self.kv = CacheManager(alloc, runner.req_to_token_pool, cache, on_evict=M.DECODE_EVICTED_PAGES.inc)
+        self.page_sums = PageChecksums(runner.kv_pool) if checksums and cache.enabled else None
+        self.kv = CacheManager(alloc, runner.req_to_token_pool, cache, on_evict=M.DECODE_EVICTED_PAGES.inc,
+                               on_cached=self.page_sums and self.page_sums.record)
         self.jobs: dict[int, DecodeJob] = {}  # every live job by room, in arrival order
         self.quarantine = Quarantine(alloc, net)
         self.running = RunningBatch(runner, self.kv, self._finish, eos_token_ids=eos_token_ids,
@@ -92,7 +95,8 @@ class DecodeScheduler(SchedulerLoop):
         self.kv_wait = KVWaitQueue(runner, self.kv, net, self.quarantine, self._fail, checksums=checksums,
                                    timeout_s=kv_wait_timeout_s, liveness_interval_s=liveness_interval_s)
         self.prealloc = PreallocQueue(self.kv, net, self.kv_wait, segment_name=segment_name,
-                                      max_context=runner.max_context, checksums=checksums, fence=fence)
+                                      max_context=runner.max_context, checksums=checksums, fence=fence,
+                                      page_sums=self.page_sums)
         self._arrivals = itertools.count()
         self._notice_thread = threading.Thread(target=self._pump_notices, name="decode-notices", daemon=True)
 
@@ -106,14 +110,21 @@ class DecodeScheduler(SchedulerLoop):
 
     def submit(self, job: DecodeJob) -> None:
         """Queue a new request; its outcome comes on ``job.out`` (a room in use: ALREADY_EXISTS)."""
-        self.known.add(job.room, job.request_id)
-        self.inbox.post(Submit(job))
+        if not self.known.claim(job):
+            job.out.put(ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"room {job.room} is in use"))
+        else:
+            self.inbox.post(Submit(job))
 
     def abort(self, room: int, request_id: str, reason: str) -> bool:
         """Queue an abort (never waits for the scheduler); returns whether the request is known."""
-        room, found = self.known.resolve(room, request_id)
+        found = self.known.knows(room, request_id)
         self.inbox.post(Abort(room, request_id, reason))
         return found
+
+    def abort_job(self, job: DecodeJob, reason: str) -> None:
+        """Queue the abort of ``job`` itself (its stream ended): nothing happens unless it is still
+        its room's live job."""
+        self.inbox.post(Abort(job.room, job.request_id, reason, job))
 
     def load(self) -> common_pb2.LoadReport:
         """Load and KV accounting, from the scheduler thread (waits up to 60 s; TimeoutError)."""
@@ -152,8 +163,8 @@ class DecodeScheduler(SchedulerLoop):
         match msg:
             case Submit(job=job):
                 self._accept(job)
-            case Abort(room=room, request_id=rid, reason=reason):
-                self._abort(room, rid, reason)
+            case Abort():
+                self._abort(msg)
             case LoadQuery(reply=reply):
                 self.running.settle()  # report settled accounting: no step half done
                 reply.set_result(self._load_report())
@@ -193,18 +204,15 @@ class DecodeScheduler(SchedulerLoop):
     def _accept(self, job: DecodeJob) -> None:
         if job.room in self.jobs or job.room in self.quarantine:
             job.out.put(ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"room {job.room} is in use"))
-            if job.room not in self.jobs:
-                self.known.discard(job.room, job.request_id)
+            self.known.discard(job)  # only what this job claimed
             return
         job.seq = next(self._arrivals)
         self.jobs[job.room] = job
         self.prealloc.add(job)
 
-    def _abort(self, room: int, request_id: str, reason: str) -> None:
-        job = self.jobs.get(room) if room else next(
-            (j for j in self.jobs.values() if j.request_id == request_id), None)
-        if job is not None:
-            job.aborted = reason or "aborted"
+    def _abort(self, msg: Abort) -> None:
+        for job in abort_targets(self.jobs, msg):
+            job.aborted = msg.reason or "aborted"
             self._fail(job, ServiceError(grpc.StatusCode.CANCELLED, f"aborted: {job.aborted}"))
 
     def _finish(self, job: DecodeJob) -> None:
@@ -231,8 +239,9 @@ class DecodeScheduler(SchedulerLoop):
             withhold = self.quarantine.hold(job) if quarantine else ()
             job.release_kv(self.kv, keep_tokens=not quarantine, withhold=withhold)
         job.state = JobState.DONE
-        self.known.discard(job.room, job.request_id)
-        self.jobs.pop(job.room, None)
+        self.known.discard(job)
+        if self.jobs.get(job.room) is job:
+            del self.jobs[job.room]
 
     # ------------------------------------------------------------------ accounting
     def _owned(self) -> int:

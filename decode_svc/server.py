@@ -53,8 +53,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             job.detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, params.stop,
                                                params.skip_special_tokens)
         self.sched.submit(job)
-        context.add_callback(lambda: job.finish_reason or self.sched.abort(
-            job.room, job.request_id, "decode stream cancelled"))
+        context.add_callback(lambda: job.finish_reason or self.sched.abort_job(job, "decode stream cancelled"))
         while True:
             item = job.out.get()
             if item is None:

@@ -8,7 +8,7 @@ each worker adds its own (decode: notices, destination results, peer liveness).
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -22,11 +22,24 @@ class Submit:
 
 @dataclass(frozen=True)
 class Abort:
-    """End a request; ``room`` 0 means: look it up by ``request_id``."""
+    """End a request: ``job`` when set (a call's own termination), else the room's request, else
+    (``room`` 0) every request with ``request_id``."""
 
     room: int
     request_id: str
     reason: str
+    job: object = None
+
+
+def abort_targets(jobs: Mapping[int, object], msg: Abort) -> list:
+    """The live jobs (``jobs``: room -> job) that ``msg`` ends. A named job counts only while it is
+    still its room's job: a refused duplicate shares the room of the request it collided with."""
+    if msg.job is not None:
+        return [msg.job] if jobs.get(msg.job.room) is msg.job else []
+    if msg.room:
+        job = jobs.get(msg.room)
+        return [] if job is None else [job]
+    return [j for j in jobs.values() if msg.request_id and j.request_id == msg.request_id]
 
 
 @dataclass(frozen=True)

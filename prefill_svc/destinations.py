@@ -1,9 +1,10 @@
 """D's destinations on P: ``KVDestination`` messages held by room until P's request claims them.
 
 D and P are called concurrently, so a destination may arrive before P has the request (buffered,
-with a TTL) or after P finished computing (the request waits for it). Aborted and ended rooms leave
-a tombstone for a while, so that a late ``SetDestination`` or ``Prefill`` for them is refused
-instead of holding pages forever.
+with a TTL) or after P finished computing (the request waits for it). Aborted, ended and expired
+rooms leave a tombstone for a while, so that a late ``SetDestination`` or ``Prefill`` for them is
+refused instead of holding pages forever. A room is used once: one that ended normally is refused
+too (a late destination for it must never be written), with a message saying it ended.
 
 What makes D's page release safe: P answers every destination it *accepted* with exactly one KV
 notice (ok after the data, or ok=false when aborted/expired), so D can quarantine its destination
@@ -18,11 +19,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import grpc
+
 from engine.kvcache.paging import pages_for
+from pd_common.protocol import ServiceError
 from prefill_svc.kv_runs import PoolGeometry
 
 if TYPE_CHECKING:
     from prefill_svc.jobs import Destination
+
+
+# what a tombstone says happened to its room
+ABORTED, ENDED, EXPIRED = "aborted", "ended", "expired"
+
+
+def tombstone_error(room: int, what: str) -> ServiceError:
+    """The refusal of a late message for a tombstoned ``room``."""
+    if what == ABORTED:
+        return ServiceError(grpc.StatusCode.ABORTED, f"room {room} was aborted")
+    if what == EXPIRED:
+        return ServiceError(grpc.StatusCode.ABORTED,
+                            f"room {room}: its destination expired before the prefill request came")
+    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"room {room} has ended (a room is used by one request only)")
 
 
 @dataclass
@@ -51,16 +70,16 @@ class DestinationBook:
         self._lock = threading.Lock()
         self._held: dict[int, HeldDestination] = {}
         self._claimed: set[int] = set()
-        self._tombstones: dict[int, float] = {}  # room -> expiry (monotonic)
+        self._tombstones: dict[int, tuple[float, str]] = {}  # room -> (expiry, what happened)
 
     def offer(self, dest) -> str | None:
-        """Buffer ``dest`` under ``dest.room``. Returns None when accepted, else why not
-        ("aborted": the room is tombstoned, "duplicate": it has a destination already)."""
+        """Buffer ``dest`` under ``dest.room``. Returns None when accepted, else why not: what its
+        tombstone says (``ABORTED``, ``ENDED``, ``EXPIRED``) or "duplicate" (it has a destination)."""
         room = int(dest.room)
         with self._lock:
             self._gc_tombstones()
             if room in self._tombstones:
-                return "aborted"
+                return self._tombstones[room][1]
             if room in self._held or room in self._claimed:
                 return "duplicate"
             self._held[room] = HeldDestination(dest, self._clock())
@@ -84,13 +103,13 @@ class DestinationBook:
             self._claimed.discard(room)
             held = self._held.pop(room, None)
             if tombstone:
-                self._tombstones[room] = self._clock() + self.tombstone_s
+                self._tombstone(room, ENDED)
             return held.dest if held else None
 
     def abort(self, room: int):
         """Tombstone ``room``; returns its unclaimed destination (to answer with ok=false) or None."""
         with self._lock:
-            self._tombstones[room] = self._clock() + self.tombstone_s
+            self._tombstone(room, ABORTED)
             held = self._held.pop(room, None)
             return held.dest if held else None
 
@@ -99,11 +118,17 @@ class DestinationBook:
         with self._lock:
             return room in self._held
 
-    def is_aborted(self, room: int) -> bool:
-        """Whether ``room`` is tombstoned (aborted or ended)."""
+    def ended(self, room: int) -> str | None:
+        """What ended ``room`` (``ABORTED``, ``ENDED``, ``EXPIRED``) while it is tombstoned, else None."""
         with self._lock:
             self._gc_tombstones()
-            return room in self._tombstones
+            t = self._tombstones.get(room)
+            return t[1] if t else None
+
+    def refusal(self, room: int) -> ServiceError | None:
+        """The error for a late ``Prefill`` or ``SetDestination`` of a tombstoned room, else None."""
+        what = self.ended(room)
+        return tombstone_error(room, what) if what else None
 
     def expire(self) -> list:
         """Remove and return destinations unclaimed for longer than ``ttl_s`` (tombstoned)."""
@@ -113,7 +138,7 @@ class DestinationBook:
             for room, held in list(self._held.items()):
                 if now - held.arrived > self.ttl_s:
                     del self._held[room]
-                    self._tombstones[room] = now + self.tombstone_s
+                    self._tombstone(room, EXPIRED)
                     out.append(held.dest)
             self._gc_tombstones()
         return out
@@ -123,9 +148,15 @@ class DestinationBook:
         with self._lock:
             return len(self._held)
 
+    def _tombstone(self, room: int, what: str) -> None:
+        # the first cause stays: an aborted request's release must not turn it into "ended"
+        expiry = self._clock() + self.tombstone_s
+        old = self._tombstones.get(room)
+        self._tombstones[room] = (expiry, old[1] if old else what)
+
     def _gc_tombstones(self) -> None:
         now = self._clock()
-        for room in [r for r, t in self._tombstones.items() if t <= now]:
+        for room in [r for r, (t, _) in self._tombstones.items() if t <= now]:
             del self._tombstones[room]
 
 

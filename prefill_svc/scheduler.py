@@ -24,7 +24,7 @@ from engine.kvcache.cache_manager import CacheManager
 from engine.kvcache.paging import pages_for
 from engine.kvcache.prefix_cache import NullPrefixCache
 from engine.kvcache.radix_cache import RadixCache
-from pd_common.inbox import Abort, LoadQuery, Submit, Wake
+from pd_common.inbox import Abort, LoadQuery, Submit, Wake, abort_targets
 from pd_common.kv_transport import KVSender
 from pd_common.protocol import ServiceError, kv_layout, token_logprob
 from pd_common.scheduler_loop import SchedulerLoop
@@ -89,12 +89,15 @@ class PrefillScheduler(SchedulerLoop):
 
     def submit(self, job: PrefillJob) -> Future:
         """Queue ``job``; the future gets a ``prefill_pb2.PrefillResult`` once D has the KV and the
-        ok notice, or a ``ServiceError``: ALREADY_EXISTS (room in use), ABORTED (room aborted or
-        ended), RESOURCE_EXHAUSTED (cannot fit an idle pool), FAILED_PRECONDITION (destination does
+        ok notice, or a ``ServiceError``: ALREADY_EXISTS (room in use), ABORTED (room aborted, or
+        its destination expired), FAILED_PRECONDITION (room ended), RESOURCE_EXHAUSTED (cannot fit an idle pool), FAILED_PRECONDITION (destination does
         not match), DEADLINE_EXCEEDED (no destination in time), UNAVAILABLE (transfer failed, or
         shutting down), CANCELLED (aborted), INTERNAL (scheduler error)."""
-        self.known.add(job.room, job.request_id)
-        self.inbox.post(Submit(job))
+        if not self.known.claim(job):
+            job.reply.set_exception(ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                                                 f"room {job.room} is already in use"))
+        else:
+            self.inbox.post(Submit(job))
         return job.reply
 
     def open_segment(self, name: str) -> Segment:
@@ -114,11 +117,14 @@ class PrefillScheduler(SchedulerLoop):
         """Queue an abort (never waits for the scheduler, which may be inside a long forward).
         Returns whether this worker knows the room (a request or a buffered destination); an
         unknown room is still tombstoned, so a late Prefill/SetDestination for it is refused."""
-        room, found = self.known.resolve(room, request_id)
-        if room:
-            found = self.book.holds(room) or found
+        found = self.known.knows(room, request_id) or bool(room) and self.book.holds(room)
         self.inbox.post(Abort(room, request_id, reason))
         return found
+
+    def abort_job(self, job: PrefillJob, reason: str) -> None:
+        """Queue the abort of ``job`` itself (its call ended): nothing happens unless it is still
+        its room's live job."""
+        self.inbox.post(Abort(job.room, job.request_id, reason, job))
 
     def load(self) -> common_pb2.LoadReport:
         """Load and KV accounting (pages) from the scheduler thread. Raises TimeoutError after 60 s."""
@@ -144,7 +150,7 @@ class PrefillScheduler(SchedulerLoop):
         if isinstance(msg, Submit):
             self._accept(msg.job)
         elif isinstance(msg, Abort):
-            self._abort(msg.room, msg.request_id, msg.reason)
+            self._abort(msg)
         elif isinstance(msg, LoadQuery):
             msg.reply.set_result(self._load_report())
 
@@ -179,12 +185,11 @@ class PrefillScheduler(SchedulerLoop):
                 pass
 
     def _accept(self, job: PrefillJob) -> None:
-        if job.room in self.jobs:
-            job.reply.set_exception(ServiceError(grpc.StatusCode.ALREADY_EXISTS,
-                                                 f"room {job.room} is already in use"))
-        elif self.book.is_aborted(job.room):
-            self.known.discard(job.room, job.request_id)
-            job.reply.set_exception(ServiceError(grpc.StatusCode.ABORTED, f"room {job.room} was aborted"))
+        refused = (ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"room {job.room} is already in use")
+                   if job.room in self.jobs else self.book.refusal(job.room))
+        if refused is not None:
+            self.known.discard(job)  # only what this job claimed
+            job.reply.set_exception(refused)
         else:
             self.jobs[job.room] = job
             self.admission.enqueue(job)
@@ -218,29 +223,30 @@ class PrefillScheduler(SchedulerLoop):
         if not job.reply.done():
             job.reply.set_exception(err)
 
-    def _abort(self, room: int, request_id: str, reason: str) -> None:
-        job = self.jobs.get(room) if room else next(
-            (j for j in self.jobs.values() if j.request_id == request_id), None)
-        if job is not None:
-            room = job.room
-        unclaimed = self.book.abort(room) if room else None  # tombstoned either way
-        if unclaimed is not None:
-            self.sender.notify_failed(unclaimed, f"aborted: {reason}")
-        if job is None:
-            return
-        if not job.failed:
-            job.aborted = reason or "aborted"
-            job.error = ServiceError(grpc.StatusCode.CANCELLED, f"aborted: {job.aborted}")
-        if not job.busy:
-            self.finish_failed(job)
+    def _abort(self, msg: Abort) -> None:
+        jobs = abort_targets(self.jobs, msg)
+        # a room no request holds yet is tombstoned too (its Prefill may still come), unless the
+        # abort was for one job's own call: that room belongs to whichever request holds it
+        rooms = [j.room for j in jobs] or ([msg.room] if msg.room and msg.job is None else [])
+        for room in rooms:
+            unclaimed = self.book.abort(room)
+            if unclaimed is not None:
+                self.sender.notify_failed(unclaimed, f"aborted: {msg.reason}")
+        for job in jobs:
+            if not job.failed:
+                job.aborted = msg.reason or "aborted"
+                job.error = ServiceError(grpc.StatusCode.CANCELLED, f"aborted: {job.aborted}")
+            if not job.busy:
+                self.finish_failed(job)
 
     def _release(self, job: PrefillJob) -> None:
         """Give back everything the job holds (called once no write reads its pages)."""
         assert not job.busy, "release while a transfer may still read the pages"
         self.admission.release(job)
         job.state = JobState.DONE
-        self.known.discard(job.room, job.request_id)
-        self.jobs.pop(job.room, None)
+        self.known.discard(job)
+        if self.jobs.get(job.room) is job:
+            del self.jobs[job.room]
         self.admission.discard(job)
         self.prefill.discard(job)
         self.sender.discard(job)

@@ -15,6 +15,7 @@ import grpc
 
 from engine.errors import InvalidRequestError
 from pd_common.protocol import MAX_ROOM, ServiceError, validate_request
+from prefill_svc.destinations import tombstone_error
 from prefill_svc.jobs import Destination, PrefillJob
 from prefill_svc.kv_runs import PoolGeometry
 from prefill_svc.scheduler import PrefillScheduler
@@ -44,8 +45,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         job = PrefillJob(request_id=request.request_id, room=int(request.room),
                          prompt_ids=list(request.input_ids), params=params)
         fut = self.sched.submit(job)
-        context.add_callback(lambda: fut.done() or self.sched.abort(job.room, job.request_id,
-                                                                    "prefill call cancelled"))
+        context.add_callback(lambda: fut.done() or self.sched.abort_job(job, "prefill call cancelled"))
         try:
             return fut.result()
         except ServiceError as e:
@@ -57,8 +57,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"room: must be in [1, 2**63-1], got {request.room}")
         if not request.decode_segment:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_segment: empty")
-        if self.sched.book.is_aborted(int(request.room)):
-            context.abort(grpc.StatusCode.ABORTED, f"room {request.room} was aborted or has ended")
+        refused = self.sched.book.refusal(int(request.room))
+        if refused:
+            context.abort(refused.code, str(refused))
         try:
             seg = self.sched.open_segment(request.decode_segment)
         except Exception as e:
@@ -71,8 +72,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "SetDestination arrived past its deadline")
         not_after = received + window_ms / 1000 if window_ms else None
         why = self.sched.offer_destination(Destination(request, seg, geom, not_after))
-        if why == "aborted":
-            context.abort(grpc.StatusCode.ABORTED, f"room {request.room} was aborted or has ended")
+        if why and why != "duplicate":
+            refused = tombstone_error(int(request.room), why)
+            context.abort(refused.code, str(refused))
         if why:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {request.room}: {why} destination")
         return prefill_pb2.SetDestinationResponse(prefill_segment=self.transfer.name,

@@ -69,6 +69,9 @@ decode (decode_svc)
   - ``halfmoon_decode_generated_tokens_total`` counter: tokens sampled by decode workers (first token
     from the prefill notice excluded).
   - ``halfmoon_decode_evicted_pages_total`` counter: radix-cache pages evicted (LRU) to make room.
+  - ``halfmoon_decode_kv_checksum_mismatches_total`` counter: with ``--kv-checksums``, cached pages
+    whose crc32 changed since they entered the radix cache, found when a prefix hit reused them
+    (each is evicted with what follows it and recomputed, never served; one WARNING each).
   - ``halfmoon_decode_kv_wait_seconds`` histogram: pre-allocation done → KV committed (notice
     verified), per request.
   - ``halfmoon_decode_quarantine_releases_total`` counter {cause}: quarantined destination rooms
@@ -227,6 +230,10 @@ DECODE_GENERATED_TOKENS = Counter(
 DECODE_EVICTED_PAGES = Counter(
     "halfmoon_decode_evicted_pages_total", "Decode radix-cache pages evicted to make room.",
     registry=_R)
+DECODE_KV_CHECKSUM_MISMATCHES = Counter(
+    "halfmoon_decode_kv_checksum_mismatches_total",
+    "Cached decode pages whose checksum changed when a prefix hit reused them (evicted, recomputed).",
+    registry=_R)
 DECODE_KV_WAIT_SECONDS = Histogram(
     "halfmoon_decode_kv_wait_seconds",
     "Seconds from pre-allocation to the KV commit (completion notice verified), per request.",
@@ -273,7 +280,7 @@ METRICS_BY_GROUP: dict[str, tuple] = {
     "transfer": (TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES),
     "decode": (DECODE_QUEUE, DECODE_RUNNING, DECODE_KV_USAGE, DECODE_KV_PAGES, DECODE_PROMPT_TOKENS,
                DECODE_PREFIX_HIT_TOKENS, DECODE_GENERATED_TOKENS, DECODE_EVICTED_PAGES,
-               DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES),
+               DECODE_KV_CHECKSUM_MISMATCHES, DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES),
     "registry": (REGISTRY_WORKERS, REGISTRY_EXPIRED_LEASES, REGISTRY_LOOKUPS),
 }
 # role of a process -> metric groups it exports (transfer is counted on the sender = prefill).

@@ -59,17 +59,24 @@ class CacheManager:
         req_to_token: the request rows (int64 [rows, max_context] -> slot).
         prefix_cache: a ``PrefixCache`` (the radix cache), or None for ``NullPrefixCache``.
         on_evict: called with the number of pages evicted, each time the manager evicts (metrics).
+        on_cached: called with the page ids a lease handed to the prefix cache (commit, release),
+            while their KV is what the request wrote (the decode worker's page checksums).
     Not thread-safe: the scheduler thread owns it.
+
+    A lease whose prefix was invalidated under it (``cache.detached(lease.node)``) hands nothing to
+    the cache: its row names pages the tree no longer trusts.
     """
 
     def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool,
                  prefix_cache: PrefixCache | None = None, *,
-                 on_evict: Callable[[int], object] | None = None):
+                 on_evict: Callable[[int], object] | None = None,
+                 on_cached: Callable[[list[int]], object] | None = None):
         self.alloc = allocator
         self.r2t = req_to_token
         self.cache: PrefixCache = prefix_cache if prefix_cache is not None else NullPrefixCache()
         self.page_size = allocator.page_size
         self._on_evict = on_evict
+        self._on_cached = on_cached
 
     # ------------------------------------------------------------------ pages
     def pages_for(self, tokens: int) -> int:
@@ -151,7 +158,7 @@ class CacheManager:
         tree's pages, the lock moves to the new node, and the lease owns only pages after them."""
         ps = self.page_size
         full = len(tokens) // ps * ps
-        if not self.cache.enabled or full <= lease.tree_len:
+        if not self.cache.enabled or full <= lease.tree_len or self.cache.detached(lease.node):
             return
         slots = self.r2t.req_to_token[lease.row, :full].clone()
         n_dup = self.cache.insert(tokens[:full], slots)
@@ -159,6 +166,9 @@ class CacheManager:
         dup = [p for i, p in enumerate(lease.own_pages, start=first) if i < n_dup // ps]
         if dup:
             self.alloc.free(dup)
+        if self._on_cached is not None:
+            self._on_cached([p for i, p in enumerate(lease.own_pages, start=first)
+                             if n_dup // ps <= i < full // ps])
         new_slots, node = self.cache.match_prefix(tokens[:full])
         self.cache.inc_lock_ref(node)
         self.cache.dec_lock_ref(lease.node)
@@ -179,8 +189,11 @@ class CacheManager:
         ps = self.page_size
         first = lease.tree_len // ps
         kept = range(0)
-        if tokens is not None and len(tokens) // ps * ps > lease.tree_len:
+        if (tokens is not None and len(tokens) // ps * ps > lease.tree_len
+                and not self.cache.detached(lease.node)):
             kept = self.cache.insert_finished(tokens, self.r2t.req_to_token[lease.row], first)
+            if kept and self._on_cached is not None:
+                self._on_cached(lease.own_pages[kept.start - first:kept.stop - first])
         held = set(withhold)
         free = [p for i, p in enumerate(lease.own_pages, start=first) if i not in kept and p not in held]
         if free:

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from engine.kvcache.radix_cache import CacheStats
+from engine.kvcache.radix_node import CacheStats
 
 
 @runtime_checkable
@@ -32,6 +32,8 @@ class PrefixCache(Protocol):
     def inc_lock_ref(self, node: object) -> int: ...
     def dec_lock_ref(self, node: object) -> int: ...
     def evict(self, num_pages: int) -> int: ...
+    def invalidate(self, tokens: Sequence[int], page: int) -> int: ...
+    def detached(self, node: object) -> bool: ...
     def evictable_size(self) -> int: ...
     def protected_size(self) -> int: ...
     def stats(self) -> CacheStats: ...
@@ -59,6 +61,12 @@ class NullPrefixCache:
 
     def evict(self, num_pages: int) -> int:
         return 0
+
+    def invalidate(self, tokens: Sequence[int], page: int) -> int:
+        return 0
+
+    def detached(self, node: object) -> bool:
+        return False
 
     def evictable_size(self) -> int:
         return 0

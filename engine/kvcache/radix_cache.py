@@ -55,78 +55,28 @@ Events: with ``enable_events=True`` each page also carries the chained ``engine.
 its prefix (stable across processes and restarts; the tree's own lookups compare token ids and
 never hash), and the tree records ``CacheEvent``s (inserted / evicted page ranges with their
 hashes) for KV-aware routing, read with ``drain_events()``. Without it no hashing is done.
+
+Invalidation: ``invalidate(tokens, page)`` takes a page whose KV cannot be trusted, and everything
+below it, out of the tree. Unlocked nodes are freed at once; a locked one is *detached*: no match
+finds it any more, its pages stay protected while requests hold it and are freed when its last
+lock drops, and a lease locked on it must insert nothing (``detached(node)``).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
 
 import torch
 
+from engine.kvcache import radix_audit
 from engine.kvcache.page_hash import ROOT_HASH, page_hash
+from engine.kvcache.radix_node import CacheEvent, CacheStats, PageFreer, TreeNode
+from engine.kvcache.radix_removal import RadixRemoval
+
+__all__ = ["CacheEvent", "CacheStats", "PageFreer", "RadixCache", "TreeNode"]
 
 
-class PageFreer(Protocol):
-    def free(self, page_ids: torch.Tensor) -> None: ...
-
-
-@dataclass(frozen=True)
-class CacheEvent:
-    """Pages that entered or left the tree.
-
-    kind: ``"insert"`` or ``"evict"``.
-    page_hashes: chained page hashes (``engine.kvcache.page_hash``), one per page, in sequence order.
-    parent_hash: hash of the page before the first one (``seed`` at position 0).
-    token_start, token_end: the token positions [start, end) those pages cover (multiples of
-        page_size) in any sequence with this prefix.
-    """
-
-    kind: Literal["insert", "evict"]
-    page_hashes: tuple[int, ...]
-    parent_hash: int
-    token_start: int
-    token_end: int
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """Snapshot for servers (``/metrics``, ``GetLoad``) and tests; sizes in pages.
-
-    min_lock_ref is over non-root nodes (0 for an empty tree); node_count excludes the root;
-    inserted_pages_total / evicted_pages_total count since construction (monotonic, for counters).
-    """
-
-    node_count: int
-    evictable_pages: int
-    protected_pages: int
-    min_lock_ref: int
-    max_lock_ref: int
-    inserted_pages_total: int = 0
-    evicted_pages_total: int = 0
-
-
-@dataclass(eq=False)
-class TreeNode:
-    """One edge of the tree: ``key`` tokens (a multiple of page_size) with their ``value`` slots."""
-
-    key: list[int]
-    value: torch.Tensor  # int64 [len(key)], slots
-    hashes: list[int]  # chained page hash of each page of key (kept only with enable_events)
-    start: int  # token position of key[0] in the sequence
-    parent: TreeNode | None = None
-    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
-    lock_ref: int = 0
-    last_access: int = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.key)
-
-
-class RadixCache:
+class RadixCache(RadixRemoval):
     """Radix tree over page-aligned token prefixes; see the module docstring for usage.
 
     Args:
@@ -162,6 +112,7 @@ class RadixCache:
         self._protected = 0
         self._clock = 0
         self._events: list[CacheEvent] = []
+        self.detached_tops: list[TreeNode] = []  # invalidated while locked (see invalidate)
         self.inserted_pages_total = 0
         self.evicted_pages_total = 0
 
@@ -309,65 +260,22 @@ class RadixCache:
             if cur.lock_ref <= 0:
                 raise RuntimeError("dec_lock_ref without a matching inc_lock_ref")
             cur = cur.parent
-        moved = 0
+        moved, freed = 0, []
         while node is not self.root:
             node.lock_ref -= 1
+            parent = node.parent
             if node.lock_ref == 0:
                 pages = len(node.key) // self.page_size
                 self._protected -= pages
-                self._evictable += pages
-                moved += pages
-            node = node.parent
-        return moved
-
-    # ------------------------------------------------------------------ evict
-    def evict(self, num_pages: int) -> int:
-        """Free up to ``num_pages`` pages from least-recently-used unlocked leaves.
-
-        Pages leave from the tail of a leaf (a leaf may be trimmed, keeping its prefix cached); a
-        node whose subtree is gone becomes a leaf and is considered in its turn. Locked nodes and
-        nodes with children are never touched. Freed page ids go to ``free_pages`` in one call.
-
-        Returns:
-            Pages freed: min(num_pages, what could be freed).
-        """
-        if num_pages <= 0:
-            return 0
-        ps = self.page_size
-        heap = [(n.last_access, i, n) for i, n in enumerate(self._leaves()) if n.lock_ref == 0]
-        heapq.heapify(heap)
-        tiebreak = len(heap)
-        freed: list[torch.Tensor] = []
-        left = num_pages
-        while left > 0 and heap:
-            _, _, leaf = heapq.heappop(heap)
-            pages = len(leaf.key) // ps
-            take = min(pages, left)
-            keep = pages - take
-            gone = leaf.value[keep * ps:]
-            freed.append(gone[::ps] // ps)
-            if self.enable_events:
-                parent_hash = leaf.hashes[keep - 1] if keep else (
-                    leaf.parent.hashes[-1] if leaf.parent is not self.root else self.seed)
-                self._events.append(CacheEvent("evict", tuple(leaf.hashes[keep:]), parent_hash,
-                                               leaf.start + keep * ps, leaf.end))
-            self._evictable -= take
-            left -= take
-            if keep:
-                leaf.key = leaf.key[:keep * ps]
-                leaf.value = leaf.value[:keep * ps]
-                leaf.hashes = leaf.hashes[:keep]
-                continue
-            parent = leaf.parent
-            del parent.children[tuple(leaf.key[:ps])]
-            leaf.parent = None
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, tiebreak, parent))
-                tiebreak += 1
-        self.evicted_pages_total += num_pages - left
+                if node.detached:  # its last holder is gone
+                    freed.append(self._drop_detached(node))
+                else:
+                    self._evictable += pages
+                    moved += pages
+            node = parent
         if freed:
             self._free(torch.cat(freed))
-        return num_pages - left
+        return moved
 
     # ------------------------------------------------------------------ events, stats
     def drain_events(self) -> list[CacheEvent]:
@@ -377,16 +285,7 @@ class RadixCache:
 
     def stats(self) -> CacheStats:
         """O(nodes) snapshot: node count, evictable/protected pages, min/max lock ref."""
-        count, lo, hi = 0, None, 0
-        stack = list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            count += 1
-            lo = n.lock_ref if lo is None else min(lo, n.lock_ref)
-            hi = max(hi, n.lock_ref)
-            stack.extend(n.children.values())
-        return CacheStats(count, self._evictable, self._protected, lo or 0, hi,
-                          self.inserted_pages_total, self.evicted_pages_total)
+        return radix_audit.stats(self)
 
     def check_invariants(self, *, num_pages: int | None = None, free_pages: int | None = None,
                          owned_pages: int = 0, expect_unlocked: bool = False) -> CacheStats:
@@ -394,55 +293,15 @@ class RadixCache:
 
         Checks: keys page-aligned and non-empty, values int64 of whole pages, children keyed by
         their first page, positions and hash chains consistent, lock_ref >= 0 and a parent's
-        lock_ref >= each child's, the evictable/protected counters equal a recount, no page held
+        lock_ref >= each child's, detached nodes locked and unreachable by a match, the
+        evictable/protected counters equal a recount (detached pages are protected), no page held
         twice. With ``num_pages`` and ``free_pages``: free + evictable + protected + owned_pages ==
         num_pages. With ``expect_unlocked``: every lock count is 0 (all requests ended).
         Returns:
             ``stats()``.
         """
-        ps = self.page_size
-        evictable = protected = 0
-        seen: set[int] = set()
-        stack = [self.root]
-        while stack:
-            n = stack.pop()
-            for first, c in n.children.items():
-                assert c.parent is n, "child.parent mismatch"
-                assert len(c.key) > 0 and len(c.key) % ps == 0, "key not page-aligned"
-                assert tuple(c.key[:ps]) == first, "child keyed by the wrong page"
-                assert c.value.dtype == torch.int64 and c.value.numel() == len(c.key), "bad value"
-                assert c.start == n.end, "start position"
-                if self.enable_events:
-                    assert len(c.hashes) == len(c.key) // ps, "hash count"
-                    h = n.hashes[-1] if n is not self.root else self.seed
-                    for i, s in enumerate(range(0, len(c.key), ps)):
-                        h = page_hash(h, c.key[s:s + ps])
-                        assert c.hashes[i] == h, "hash chain broken"
-                else:
-                    assert not c.hashes, "hashes kept without enable_events"
-                assert c.lock_ref >= 0, f"negative lock_ref {c.lock_ref}"
-                if n is not self.root:
-                    assert n.lock_ref >= c.lock_ref, "parent less locked than child"
-                if expect_unlocked:
-                    assert c.lock_ref == 0, f"lock_ref {c.lock_ref} after all requests ended"
-                pages = c.value.view(-1, ps)
-                assert bool((pages[:, 0] % ps == 0).all()), "slot run not page-aligned"
-                assert bool((pages == pages[:, :1] + torch.arange(ps)).all()), "page not whole"
-                ids = (pages[:, 0] // ps).tolist()
-                assert seen.isdisjoint(ids) and len(set(ids)) == len(ids), "page held twice"
-                seen.update(ids)
-                if c.lock_ref:
-                    protected += len(ids)
-                else:
-                    evictable += len(ids)
-                stack.append(c)
-        assert evictable == self._evictable, f"evictable {self._evictable} != recount {evictable}"
-        assert protected == self._protected, f"protected {self._protected} != recount {protected}"
-        if num_pages is not None and free_pages is not None:
-            total = free_pages + evictable + protected + owned_pages
-            assert total == num_pages, (f"free {free_pages} + evictable {evictable} + protected "
-                                        f"{protected} + owned {owned_pages} = {total} != pool {num_pages}")
-        return self.stats()
+        return radix_audit.check_invariants(self, num_pages=num_pages, free_pages=free_pages,
+                                            owned_pages=owned_pages, expect_unlocked=expect_unlocked)
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -505,13 +364,3 @@ class RadixCache:
                              "(slot = page * page_size + offset, offset = position % page_size)")
         if bool((pages[:, 0] < 0).any()):
             raise ValueError("negative slot")
-
-    def _leaves(self) -> list[TreeNode]:
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            if n.children:
-                stack.extend(n.children.values())
-            else:
-                out.append(n)
-        return out

@@ -4,6 +4,7 @@ request validation. No processes, no model."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -58,11 +59,17 @@ def test_destination_book_ttl_claim_and_tombstones():
     assert book.take(1) is d1 and book.take(1) is None
     now[0] = 6.0
     assert book.expire() == [d2]                      # unclaimed past the TTL: answered ok=false
-    assert book.offer(prefill_pb2.KVDestination(room=2)) == "aborted"
+    assert book.offer(prefill_pb2.KVDestination(room=2)) == "expired"
     assert book.abort(3) is None and book.offer(prefill_pb2.KVDestination(room=3)) == "aborted"
-    assert book.release(1) is None and book.is_aborted(1)
+    assert book.release(3) is None and book.ended(3) == "aborted"   # the first cause stays
+    assert book.release(1) is None and book.ended(1) == "ended"
+    assert book.offer(prefill_pb2.KVDestination(room=1)) == "ended"
+    err = book.refusal(1)
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and str(err) == "room 1 has ended (a room is used by one request only)"
+    assert book.refusal(3).code == grpc.StatusCode.ABORTED and "was aborted" in str(book.refusal(3))
+    assert book.refusal(4) is None and book.ended(4) is None        # unknown room: no error
     now[0] = 200.0
-    assert not book.is_aborted(1) and book.held_rooms() == 0
+    assert book.ended(1) is None and book.held_rooms() == 0
 
 
 def test_prebuilt_out_cache_loc_reads_the_delta_not_the_prefix():

@@ -203,7 +203,8 @@ class Decode:
         if cache.enabled:
             cache.check_invariants(num_pages=a.total_pages, free_pages=a.free_pages, expect_unlocked=True)
         for job in self.jobs:  # no room known (gRPC threads would answer Abort found=False)
-            assert self.sched.known.resolve(job.room, job.request_id) == (job.room, False)
+            assert not self.sched.known.knows(job.room, job.request_id)
+            assert not self.sched.known.knows(0, job.request_id)
 
 
 def chunks(job) -> tuple[list, object]:

@@ -1,8 +1,11 @@
-"""Property test: random request lives (match+lock / alloc / insert / re-lock / abort / evict) on
+"""Property test: random request lives (match+lock / alloc / insert / re-lock / abort / evict /
+invalidate) on
 RadixCache + the engine's PageAllocator, checked step by step against a flat reference model:
 one dict entry per cached page keyed by the whole token prefix up to that page's end, holding
 (page id, lock count, last-access tick). After every step the tree must equal the reference
-entry by entry, and free + evictable + protected + owned == pool must hold.
+entry by entry, and free + evictable + protected + owned == pool must hold. Invalidated entries
+still locked wait in ``RefCache.detached`` until their last lock drops; requests hold the entry
+objects they locked, so a detached entry and a new one of the same prefix never mix.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class RefCache:
 
     def __init__(self, ps: int):
         self.ps, self.pages, self.tick = ps, {}, 0
+        self.detached: list[list] = []  # entries invalidated while locked
 
     def _walk(self, tokens):
         self.tick += 1
@@ -46,11 +50,39 @@ class RefCache:
             self.pages[tuple(tokens[:k])] = [slots[k - self.ps] // self.ps, 0, self.tick]
         return ln
 
-    def lock(self, prefix, delta: int):
-        for k in range(self.ps, len(prefix) + 1, self.ps):
-            e = self.pages[tuple(prefix[:k])]
+    def entries(self, prefix) -> list[list]:
+        return [self.pages[tuple(prefix[:k])] for k in range(self.ps, len(prefix) + 1, self.ps)]
+
+    def lock(self, entries, delta: int) -> list[int]:
+        """Add ``delta`` to each entry's lock; returns the pages of detached entries now unlocked."""
+        freed = []
+        for e in entries:
             e[1] += delta
             assert e[1] >= 0
+            if e[1] == 0 and any(d is e for d in self.detached):
+                self.detached = [d for d in self.detached if d is not e]
+                freed.append(e[0])
+        return freed
+
+    def is_detached(self, entries) -> bool:
+        return any(d is e for e in entries for d in self.detached)
+
+    def invalidate(self, tokens, page: int) -> tuple[int, list[int]]:
+        """(pages that left the tree, pages freed now) for dropping ``page`` and what follows."""
+        n = (page + 1) * self.ps
+        if len(tokens) < n:
+            return 0, []
+        self._walk(tokens[:page * self.ps])
+        cut = tuple(tokens[:n])
+        gone = [k for k in self.pages if k[:n] == cut]
+        freed = []
+        for k in gone:
+            e = self.pages.pop(k)
+            if e[1]:
+                self.detached.append(e)
+            else:
+                freed.append(e[0])
+        return len(gone), freed
 
     def evict(self, n: int) -> list[int]:
         freed = []
@@ -78,8 +110,9 @@ def tree_pages(cache: RadixCache) -> dict:
 
 
 class Req:
-    def __init__(self, tokens, row, pre_len, node, owned):
+    def __init__(self, tokens, row, pre_len, node, owned, entries):
         self.tokens, self.row, self.pre_len, self.node, self.owned = tokens, row, pre_len, node, owned
+        self.entries = entries  # the reference entries it locked
 
 
 class RadixMachine(RuleBasedStateMachine):
@@ -115,6 +148,17 @@ class RadixMachine(RuleBasedStateMachine):
         assert got == len(want) and sorted(self.freed) == sorted(want)
         self.evicted += got
 
+    def _unlock(self, req):
+        self.freed = []
+        self.cache.dec_lock_ref(req.node)
+        dropped = self.ref.lock(req.entries, -1)
+        assert sorted(self.freed) == sorted(dropped)
+        self.evicted += len(dropped)
+
+    def _detached(self, req) -> bool:
+        assert self.cache.detached(req.node) == self.ref.is_detached(req.entries)
+        return self.cache.detached(req.node)
+
     def _insert_committed(self, req, kv_len):
         """insert + free duplicates [pre_len, n_dup) and drop them from req.owned; return aligned len."""
         toks = req.tokens[:kv_len]
@@ -139,44 +183,47 @@ class RadixMachine(RuleBasedStateMachine):
         slots, node = self._match(key)
         pre_len = slots.numel()
         self.cache.inc_lock_ref(node)
-        self.ref.lock(key[:pre_len], +1)
+        entries = self.ref.entries(key[:pre_len])
+        self.ref.lock(entries, +1)
         need = -(-len(tokens) // self.ps) - pre_len // self.ps
         if self.alloc.num_free < need:
             self._evict(need - self.alloc.num_free)
         delta = self.alloc.alloc_slots(pre_len, len(tokens), None)
         if delta is None:
             self.cache.dec_lock_ref(node)
-            self.ref.lock(key[:pre_len], -1)
+            self.ref.lock(entries, -1)
             return
         row = torch.cat([slots, delta])
-        self.reqs.append(Req(tokens, row, pre_len, node, set(self._pages(delta))))
+        self.reqs.append(Req(tokens, row, pre_len, node, set(self._pages(delta)), entries))
 
     @precondition(lambda self: self.reqs)
     @rule(i=st.integers(0, 99), frac=st.floats(0, 1))
     def finish(self, i, frac):
         req = self.reqs.pop(i % len(self.reqs))
         kv_len = req.pre_len + int(frac * (len(req.tokens) - req.pre_len))
-        self._insert_committed(req, kv_len)
+        if not self._detached(req):  # an invalidated prefix: nothing of its row is cached
+            self._insert_committed(req, kv_len)
         if req.owned:  # the partial tail page(s)
             self.alloc.free(sorted(req.owned))
-        self.cache.dec_lock_ref(req.node)
-        self.ref.lock(req.tokens[:req.pre_len], -1)
+        self._unlock(req)
 
     @precondition(lambda self: self.reqs)
     @rule(i=st.integers(0, 99), frac=st.floats(0, 1))
     def cache_running(self, i, frac):
         """Chunked-prefill style: insert what is committed, re-match, move the lock, keep running."""
         req = self.reqs[i % len(self.reqs)]
+        if self._detached(req):
+            return
         kv_len = req.pre_len + int(frac * (len(req.tokens) - req.pre_len))
         aligned = self._insert_committed(req, kv_len)
         slots, node = self._match(req.tokens[:kv_len])
         assert slots.numel() == aligned
         self.cache.inc_lock_ref(node)
-        self.ref.lock(req.tokens[:aligned], +1)
-        self.cache.dec_lock_ref(req.node)
-        self.ref.lock(req.tokens[:req.pre_len], -1)
+        entries = self.ref.entries(req.tokens[:aligned])
+        self.ref.lock(entries, +1)
+        self._unlock(req)
         req.row[:aligned] = slots
-        req.node, req.pre_len = node, aligned
+        req.node, req.pre_len, req.entries = node, aligned, entries
         assert req.owned == set(self._pages(req.row[aligned:]))
 
     @precondition(lambda self: self.reqs)
@@ -185,8 +232,18 @@ class RadixMachine(RuleBasedStateMachine):
         req = self.reqs.pop(i % len(self.reqs))
         if req.owned:
             self.alloc.free(sorted(req.owned))
-        self.cache.dec_lock_ref(req.node)
-        self.ref.lock(req.tokens[:req.pre_len], -1)
+        self._unlock(req)
+
+    @rule(cut=st.integers(0, len(BASE)), tail=st.lists(st.integers(0, 2), max_size=4),
+          page=st.integers(0, 8), of_req=st.integers(-1, 99))
+    def invalidate(self, cut, tail, page, of_req):
+        """A page's KV is bad: it and what follows leave the tree (locked ones when unlocked)."""
+        tokens = self.reqs[of_req % len(self.reqs)].tokens if of_req >= 0 and self.reqs else BASE[:cut] + tail
+        self.freed = []
+        got = self.cache.invalidate(tokens, page)
+        want, freed = self.ref.invalidate(tokens, page)
+        assert got == want and sorted(self.freed) == sorted(freed)
+        self.evicted += len(freed)
 
     @rule(n=st.integers(0, 20))
     def evict(self, n):
@@ -208,6 +265,8 @@ class RadixMachine(RuleBasedStateMachine):
         assert stats.inserted_pages_total - stats.evicted_pages_total == self.cache.total_size()
         assert tree_pages(self.cache) == self.ref.pages
         assert self.cache.evictable_size() == sum(e[1] == 0 for e in self.ref.pages.values())
+        assert self.cache.protected_size() == (sum(e[1] > 0 for e in self.ref.pages.values())
+                                               + len(self.ref.detached))
 
     def teardown(self):
         if not hasattr(self, "cache"):
@@ -216,6 +275,7 @@ class RadixMachine(RuleBasedStateMachine):
             self.finish(0, 1.0)
         self.cache.check_invariants(num_pages=self.num_pages, free_pages=self.alloc.num_free,
                                     expect_unlocked=True)
+        assert not self.ref.detached and not self.cache.detached_tops
         self._evict(self.num_pages + 1)
         assert self.alloc.num_free == self.num_pages and self.cache.total_size() == 0
 
