@@ -9,11 +9,15 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from telemetry import metrics
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
@@ -61,8 +65,14 @@ def test_each_metric_has_exactly_one_owner(served):
     assert {f.split("_")[1] for f in _families(served["prefill"])} == {"prefill", "transfer", "worker"}
 
 
-def test_known_label_values_exist_before_the_first_event(served):
-    text = served["prefill"]
+def test_known_label_values_exist_before_the_first_event():
+    """A fresh process (other tests in this one count real events into the same counters) serves
+    every known label value at 0 before anything happened."""
+    code = ("import urllib.request; from telemetry import metrics; "
+            "port = metrics.start_metrics_server(0, role='prefill', worker_id='prefill-0', model='m'); "
+            "print(urllib.request.urlopen(f'http://127.0.0.1:{port}/metrics', timeout=10).read().decode())")
+    text = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          check=True, cwd=ROOT).stdout
     for reason in metrics.TRANSFER_FAILURE_REASONS:
         assert f'halfmoon_transfer_failures_total{{reason="{reason}"}} 0.0' in text
     for queue in metrics.PREFILL_QUEUES:
