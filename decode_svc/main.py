@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "short; full: reserve prompt + max_tokens - 1 slots up front")
     parser.add_argument("--num-reserved-decode-tokens", type=int, default=128,
                         help="decode slots (tokens) admitted with the prompt in ondemand mode")
+    parser.add_argument("--init-new-token-ratio", type=float, default=0.7,
+                        help="admission projects a request to still generate this share of its remaining "
+                             "tokens (clipped); decays per step to --min-new-token-ratio, back up on retraction")
+    parser.add_argument("--min-new-token-ratio", type=float, default=0.1,
+                        help="floor of the projection's ratio")
     parser.add_argument("--max-retractions", type=int, default=3,
                         help="a request retracted this often is pinned: not chosen again while any "
                              "other request can be")
@@ -71,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
                             fence_timeout_s=args.fence_timeout,
                             overlap_schedule=overlap, decode_reserve=args.decode_reserve,
                             reserved_decode_tokens=args.num_reserved_decode_tokens,
-                            max_retractions=args.max_retractions)
+                            max_retractions=args.max_retractions,
+                            new_token_ratio=(args.init_new_token_ratio, args.min_new_token_ratio))
     holder["s"] = sched
     sched.start()
     servicer = DecodeServicer(sched, args.worker_id, vocab_size=runner.vocab_size,

@@ -41,6 +41,7 @@ from decode_svc.running import RunningBatch
 from engine.kvcache.cache_manager import CacheManager
 from engine.kvcache.prefix_cache import NullPrefixCache
 from engine.kvcache.radix_cache import RadixCache
+from engine.scheduler.retraction import FLOOR_RATIO, INIT_RATIO, NewTokenRatio
 from pd_common.inbox import Abort, LoadQuery, Submit
 from pd_common.kv_transport import KVReceiver
 from pd_common.protocol import ServiceError
@@ -75,7 +76,7 @@ class DecodeScheduler(SchedulerLoop):
             penalties or logprobs; other batches run synchronously.
         decode_reserve: "ondemand" (prompt + a reserve, grow, retract) or "full" (every slot up front).
         reserved_decode_tokens: the ondemand reserve; max_retractions: retractions before a request
-            is pinned.
+            is pinned. new_token_ratio: (initial, floor) of the admission projection's ratio.
     """
 
     def __init__(self, runner: ModelRunner, transfer: KVReceiver, net: PrefillNet, *, segment_name: str,
@@ -83,7 +84,8 @@ class DecodeScheduler(SchedulerLoop):
                  checksums: bool = False, kv_wait_timeout_s: float = 60.0,
                  fence_timeout_s: float | None = None, liveness_interval_s: float = 1.0,
                  overlap_schedule: bool = False, decode_reserve: str = "ondemand",
-                 reserved_decode_tokens: int = 128, max_retractions: int = 3):
+                 reserved_decode_tokens: int = 128, max_retractions: int = 3,
+                 new_token_ratio: tuple[float, float] = (INIT_RATIO, FLOOR_RATIO)):
         super().__init__("decode-scheduler", runner.device, log)
         self.runner = runner
         self.transfer = transfer
@@ -97,7 +99,8 @@ class DecodeScheduler(SchedulerLoop):
         self.quarantine = Quarantine(alloc, net, fence)
         self.memory = DecodeMemory(runner, self.kv, mode=decode_reserve,
                                    reserved_decode_tokens=reserved_decode_tokens,
-                                   max_retractions=max_retractions)
+                                   max_retractions=max_retractions,
+                                   ratio=NewTokenRatio(init=new_token_ratio[0], floor=new_token_ratio[1]))
         self.running = RunningBatch(runner, self.kv, self._finish, memory=self.memory, retract=self._retract,
                                     eos_token_ids=eos_token_ids, max_running=max_running,
                                     overlap_schedule=overlap_schedule)

@@ -1,7 +1,8 @@
 """On-demand decode memory with real processes: retraction under a tiny pool, and many chats
 without ``max_tokens`` on ``halfmoon up``'s default pool.
 
-* P → D with a 24-page decode pool and a 16-token reserve: 8 requests that each end at 6 pages
+* P → D with a 24-page decode pool, a 16-token reserve and a projection that admits whatever
+  fits: 8 requests that each end at 6 pages
   cannot all hold their KV at once, so D retracts and resumes (recomputing tails itself) again and
   again; every request's greedy tokens must still equal the co-located engine's.
 * 16 concurrent OpenAI chats without ``max_tokens`` (each may use the rest of the 8192-token
@@ -45,7 +46,8 @@ def test_greedy_under_heavy_retraction_equals_colocated(tmp_path):
     max_tokens = 48
     ref = colocated_generate(prompts, max_tokens)
     with start_stack(tmp_path, decode_pages=24,
-                     decode_extra=["--num-reserved-decode-tokens", "16", "--max-retractions", "4"]) as st:
+                     decode_extra=["--num-reserved-decode-tokens", "16", "--max-retractions", "4",
+                                   "--init-new-token-ratio", "0.01", "--min-new-token-ratio", "0.01"]) as st:
         drv = PDDriver(st.prefill_addr, st.decode_addr, timeout_s=80)
         results = drv.generate_many(prompts, max_tokens=max_tokens, concurrency=len(prompts))
         drv.close()
@@ -57,9 +59,10 @@ def test_greedy_under_heavy_retraction_equals_colocated(tmp_path):
         assert_idle_accounting(st)
 
 
-CHATS = ["Say hi.", "Name a color.", "Name a fruit.", "Say yes.", "Say no.", "Name a day of the week.",
-         "Name an animal.", "Say thanks.", "Name a number.", "Name a month.", "Say hello.",
-         "Name a planet.", "Name a tree.", "Name a shape.", "Name a metal.", "Say goodbye."]
+# greedy answers of 10-50 tokens, each ending on EOS (a bounded run; no max_tokens is sent)
+CHATS = ["Say hi.", "Name a color.", "Name a fruit.", "Name a vegetable.", "Name a river.", "Name a city.",
+         "Name an animal.", "Name a sport.", "Name a number.", "Name a month.", "Say hello.",
+         "Name a planet.", "Name a tree.", "Name a shape.", "Name a metal.", "Name an insect."]
 
 
 def test_16_chats_without_max_tokens_run_together(tmp_path):
