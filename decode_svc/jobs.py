@@ -1,10 +1,12 @@
 """A decode request on D and the states it passes through.
 
     PREALLOC ─row+pages─> TRANSFER ─P's notice ok─> WAITING ─batch slot─> RUNNING ─finish─> DONE
+                                                          ^                      │
+                                                          └─resume── RETRACTED <─┘ pool short
 
 Each state but DONE is one queue that owns the job: ``PreallocQueue`` (PREALLOC), ``KVWaitQueue``
-(TRANSFER), ``RunningBatch`` (WAITING and RUNNING). Any state may end early (abort, timeout, P's
-failure); only a TRANSFER job can leave pages behind that P may still write (the quarantine).
+(TRANSFER), ``RunningBatch`` (WAITING and RUNNING), ``DecodeMemory`` (RETRACTED). Any state may end
+early (abort, timeout, P's failure); only a TRANSFER job can leave pages behind that P may still write (the quarantine).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class JobState(enum.Enum):
     TRANSFER = "transfer"  # destination sent to P, waiting for P's notice
     WAITING = "waiting"    # prompt KV committed, waiting for a slot in the decode batch
     RUNNING = "running"    # in the decode batch
+    RETRACTED = "retracted"  # pool short: KV given back (full pages kept by the radix cache), waits to resume
     DONE = "done"
 
 
@@ -73,6 +76,7 @@ class DecodeJob:
     t_prealloc: float = 0.0        # time.monotonic() of the pre-allocation
     fence_at: float = 0.0          # time.monotonic() after which P can start no write (quarantine)
     kv_len: int = 0
+    retractions: int = 0           # times the pool ran short and this job gave its KV back
     output_ids: list[int] = field(default_factory=list)
     generator: object = None       # torch.Generator for non-greedy sampling
     cached_tokens: int = 0         # P's own prefix-cache hit

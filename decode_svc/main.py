@@ -18,6 +18,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
                         help="launch decode step n+1 before reading step n's tokens (greedy batches); "
                              "auto: on for CUDA devices, off on CPU (where a step is synchronous anyway)")
+    parser.add_argument("--decode-reserve", default="ondemand", choices=["ondemand", "full"],
+                        help="ondemand: admit a request for its prompt + --num-reserved-decode-tokens, "
+                             "grow its pages as it decodes and retract requests when the pool runs "
+                             "short; full: reserve prompt + max_tokens - 1 slots up front")
+    parser.add_argument("--num-reserved-decode-tokens", type=int, default=128,
+                        help="decode slots (tokens) admitted with the prompt in ondemand mode")
+    parser.add_argument("--init-new-token-ratio", type=float, default=0.7,
+                        help="admission projects a request to still generate this share of its remaining "
+                             "tokens (clipped); decays per step to --min-new-token-ratio, back up on retraction")
+    parser.add_argument("--min-new-token-ratio", type=float, default=0.1,
+                        help="floor of the projection's ratio")
+    parser.add_argument("--max-retractions", type=int, default=3,
+                        help="a request retracted this often is pinned: not chosen again while any "
+                             "other request can be")
 
 
 def _tokenizer(runner, model: str):
@@ -65,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
                             disable_radix_cache=args.disable_decode_radix_cache,
                             checksums=args.kv_checksums, kv_wait_timeout_s=args.kv_wait_timeout,
                             fence=FencePolicy(peers.rpc_timeout_s, args.kv_write_window, args.fence_margin),
-                            overlap_schedule=overlap)
+                            overlap_schedule=overlap, decode_reserve=args.decode_reserve,
+                            reserved_decode_tokens=args.num_reserved_decode_tokens,
+                            max_retractions=args.max_retractions,
+                            new_token_ratio=(args.init_new_token_ratio, args.min_new_token_ratio))
     holder["s"] = sched
     sched.start()
     servicer = DecodeServicer(sched, args.worker_id, vocab_size=runner.vocab_size,

@@ -1,8 +1,9 @@
 """Pre-allocation on D: a row and KV pages for each new request, before P computes anything.
 
 FIFO: the head waits until a row and its pages are free (evicting unlocked radix pages when that
-makes it fit), and nobody overtakes it. A request takes every slot it can ever need up front,
-``prompt + max_tokens - 1`` (the last sampled token has no K/V), so D never preempts. The prompt is
+makes it fit), and nobody overtakes it. A request takes its prompt plus a small decode reserve and
+grows later; admission keeps the pages the live requests are projected to still need available
+(``decode_svc.memory``; ``--decode-reserve full``: every slot up front). The prompt is
 matched in D's radix cache (full pages only) and the prefix locked; the row is written ``[prefix
 slots (0..pre_len) | delta slots (pre_len..)]`` and only the delta's pages — those P must fill —
 go to P in the ``KVDestination``. A page-aligned prompt D fully holds sends no page at all.
@@ -14,9 +15,11 @@ import collections
 import functools
 import logging
 import time
+from collections.abc import Callable, Iterable
 
 from decode_svc.jobs import DecodeJob, DestState
 from decode_svc.kv_wait import KVWaitQueue
+from decode_svc.memory import DecodeMemory
 from decode_svc.messages import PrefillNet
 from decode_svc.quarantine import FencePolicy
 from decode_svc.page_checksums import PageChecksums
@@ -35,20 +38,21 @@ class PreallocQueue:
         net: sends the destination to P (off the scheduler thread).
         kv_wait: where a pre-allocated job waits for its KV.
         segment_name: D's segment name (P writes into it).
-        max_context: tokens per row.
+        memory: reserve sizes and the projected headroom; live: every live job (for the projection).
         checksums: ask P for per-page checksums.
         fence: the write window sent to P and the fence deadline of each destination.
         page_sums: verifies a prefix hit's pages before they are reused (None: not checked).
     """
 
     def __init__(self, kv: CacheManager, net: PrefillNet, kv_wait: KVWaitQueue, *, segment_name: str,
-                 max_context: int, checksums: bool, fence: FencePolicy = FencePolicy(),
-                 page_sums: PageChecksums | None = None):
+                 memory: DecodeMemory, live: Callable[[], Iterable[DecodeJob]], checksums: bool,
+                 fence: FencePolicy = FencePolicy(), page_sums: PageChecksums | None = None):
         self.kv = kv
+        self.memory = memory
+        self._live = live
         self.page_sums = page_sums
         self.net = net
         self.kv_wait = kv_wait
-        self.max_context = max_context
         self.fence = fence
         # what every destination says about D itself
         self._destination = functools.partial(prefill_pb2.KVDestination, decode_segment=segment_name,
@@ -65,20 +69,6 @@ class PreallocQueue:
     def discard(self, job: DecodeJob) -> None:
         if job in self._queue:
             self._queue.remove(job)
-
-    def reserve_len(self, prompt_len: int, max_tokens: int) -> int:
-        """KV slots a request needs on D: prompt + max_tokens - 1 (the last token has no KV),
-        capped at the row length."""
-        return min(prompt_len + max_tokens - 1, self.max_context)
-
-    def never_fits(self, prompt_len: int, max_tokens: int) -> str | None:
-        """Why such a request can never be pre-allocated (more pages than the pool has), or None."""
-        need = self.kv.pages_for(self.reserve_len(prompt_len, max_tokens))
-        total = self.kv.alloc.num_pages
-        if need > total:
-            return (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV pages; "
-                    f"the decode pool has {total}")
-        return None
 
     def schedule(self) -> None:
         """Pre-allocate from the head while rows and pages allow."""
@@ -106,8 +96,11 @@ class PreallocQueue:
     def _lease(self, job: DecodeJob):
         n = len(job.prompt_ids)
         while True:
-            lease = self.kv.admit(job.prompt_ids, match_len=n,
-                                  alloc_len=self.reserve_len(n, job.params.max_tokens))
+            mt = job.params.max_tokens
+            held = self.memory.reserve_len(n, mt)
+            others, any_lease = self.memory.headroom(self._live())
+            head = others + self.memory.new_future_pages(n, mt, held) if any_lease else 0
+            lease = self.kv.admit(job.prompt_ids, match_len=n, alloc_len=held, headroom_pages=head)
             # a bad cached page left the tree with what follows it: the next match is shorter
             if lease is None or self.page_sums is None or not self.page_sums.cut_bad_prefix(
                     self.kv, lease, job.prompt_ids):

@@ -5,6 +5,11 @@ streamed as soon as the host has it. A request finishes on a stop token id, EOS 
 ``ignore_eos``), a stop string, ``max_tokens`` or the context window; the chunk that finishes it
 (and the first one) carries the request's summary. Both lists keep arrival order, so the batch
 order does not depend on when each request's KV came in.
+
+Before each step every running request gets the slot its next token writes (``CacheManager.grow``;
+with the overlap schedule the in-flight token's slot is already counted in ``kv_len``). When the
+pool cannot give it, the step in flight is settled first (its finishes may free pages), then
+victims are retracted (``decode_svc.memory``) until the request fits or is itself the victim.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from decode_svc.jobs import DecodeJob, JobState
+from decode_svc.memory import DecodeMemory
 from decode_svc.overlap import OverlapSchedule, overlappable
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.cache_manager import CacheManager
@@ -36,16 +42,22 @@ class RunningBatch:
     Args:
         runner: D's ModelRunner; kv: D's CacheManager.
         finished: called when a job's last chunk was streamed (ends the job: ``remove`` comes back).
+        memory: D's memory policy (victims, the projection's ratio).
+        retract: takes a settled running job out of the batch and off the pool (the scheduler's:
+            it fails the job instead when nothing else holds pages that could come back).
         eos_token_ids: the model's stop ids; max_running: running-batch cap.
         overlap_schedule: overlap greedy batches (``decode_svc.overlap``); other batches run
             synchronously.
     """
 
     def __init__(self, runner: ModelRunner, kv: CacheManager, finished: Callable[[DecodeJob], None], *,
+                 memory: DecodeMemory, retract: Callable[[DecodeJob, str], None],
                  eos_token_ids: Iterable[int], max_running: int, overlap_schedule: bool):
         self.runner = runner
         self.kv = kv
         self._finished = finished
+        self.memory = memory
+        self._retract = retract
         self.eos = set(eos_token_ids)
         self.max_running = max_running
         self.overlap_schedule = overlap_schedule
@@ -85,8 +97,29 @@ class RunningBatch:
         """No step half done (before an accounting report)."""
         self.overlap.settle()
 
+    def add_waiting(self, job: DecodeJob) -> None:
+        """A resumed job (its KV back in the pool) waits for a running slot again."""
+        job.state = JobState.WAITING
+        bisect.insort(self.waiting, job, key=_by_arrival)
+
+    def make_room(self) -> None:
+        """Give every running job the slot of its next token, retracting victims when short."""
+        settled = False
+        for job in list(self.running):
+            while job.state is JobState.RUNNING and not self.kv.grow(job.lease, job.kv_len + 1):
+                if not settled:  # the step in flight must end before a retraction; its finishes free pages
+                    M.DECODE_RESERVE_MISSES.inc()
+                    self.overlap.settle()
+                    settled = True
+                    continue
+                victim, reason = self.memory.victim(self.running)
+                self._retract(victim, reason)
+
     def step(self) -> None:
         """One decode step for every running job (overlapped when the batch allows)."""
+        self.make_room()
+        if self.running:
+            self.memory.ratio.step()
         if self.overlap_schedule and all(overlappable(j) for j in self.running):
             self.overlap.step(list(self.running))
             return

@@ -4,14 +4,16 @@ A request's path, each stage a queue that owns its jobs::
 
   PreallocQueue ─row+pages─> KVWaitQueue ─P's notice ok─> RunningBatch (waiting ─slot─> running) ─> done
 
-* ``PreallocQueue`` (FIFO): radix-match the prompt, lock the prefix, allocate the delta and every
-  decode slot, send the delta's page ids to P (``decode_svc.prealloc``).
+* ``PreallocQueue`` (FIFO): radix-match the prompt, lock the prefix, allocate the delta and a
+  decode reserve, send the delta's page ids to P (``decode_svc.prealloc``).
 * ``KVWaitQueue``: on P's notice check the delta (page count, checksums) over ``row[pre_len:]``,
   commit the prompt's full pages to the radix cache, hand P's first token on; KV-wait timeouts,
   SetDestination outcomes, liveness of P (``decode_svc.kv_wait``).
 * ``RunningBatch``: one DECODE forward a step for every running request, tokens streamed as they
   come, optionally overlapped (``decode_svc.running``, ``decode_svc.overlap``).
 * ``Quarantine``: pages P may still write after their request ended (``decode_svc.quarantine``).
+* ``DecodeMemory``: reserve, projected admission, retraction when a step cannot grow a request,
+  and the resume of retracted requests, ahead of any new one (``decode_svc.memory``).
 
 This class composes them, runs the loop and ends jobs: an ended job leaves its queue, its lease is
 released (committed tokens to the radix cache) and its room is forgotten; a job that ends while P
@@ -31,6 +33,7 @@ import grpc
 
 from decode_svc.jobs import DecodeJob, DestState, JobState
 from decode_svc.kv_wait import KVWaitQueue
+from decode_svc.memory import DecodeMemory
 from decode_svc.messages import DestResult, Notice, PeerGone, PrefillNet
 from decode_svc.page_checksums import PageChecksums
 from decode_svc.prealloc import PreallocQueue
@@ -39,6 +42,7 @@ from decode_svc.running import RunningBatch
 from engine.kvcache.cache_manager import CacheManager
 from engine.kvcache.prefix_cache import NullPrefixCache
 from engine.kvcache.radix_cache import RadixCache
+from engine.scheduler.retraction import FLOOR_RATIO, INIT_RATIO, NewTokenRatio
 from pd_common.inbox import Abort, LoadQuery, Submit, abort_targets
 from pd_common.kv_transport import KVReceiver
 from pd_common.protocol import ServiceError
@@ -71,13 +75,18 @@ class DecodeScheduler(SchedulerLoop):
         overlap_schedule: launch decode step n+1 before reading step n's tokens, so the GPU computes
             while the host streams the previous tokens. Used for batches of greedy requests without
             penalties or logprobs; other batches run synchronously.
+        decode_reserve: "ondemand" (prompt + a reserve, grow, retract) or "full" (every slot up front).
+        reserved_decode_tokens: the ondemand reserve; max_retractions: retractions before a request
+            is pinned. new_token_ratio: (initial, floor) of the admission projection's ratio.
     """
 
     def __init__(self, runner: ModelRunner, transfer: KVReceiver, net: PrefillNet, *, segment_name: str,
                  eos_token_ids, tokenizer=None, max_running: int = 32, disable_radix_cache: bool = False,
                  checksums: bool = False, kv_wait_timeout_s: float = 60.0,
                  fence: FencePolicy = FencePolicy(), liveness_interval_s: float = 1.0,
-                 overlap_schedule: bool = False):
+                 overlap_schedule: bool = False, decode_reserve: str = "ondemand",
+                 reserved_decode_tokens: int = 128, max_retractions: int = 3,
+                 new_token_ratio: tuple[float, float] = (INIT_RATIO, FLOOR_RATIO)):
         super().__init__("decode-scheduler", runner.device, log)
         self.runner = runner
         self.transfer = transfer
@@ -90,13 +99,18 @@ class DecodeScheduler(SchedulerLoop):
                                on_cached=self.page_sums and self.page_sums.record)
         self.jobs: dict[int, DecodeJob] = {}  # every live job by room, in arrival order
         self.quarantine = Quarantine(alloc, net)
-        self.running = RunningBatch(runner, self.kv, self._finish, eos_token_ids=eos_token_ids,
-                                    max_running=max_running, overlap_schedule=overlap_schedule)
+        self.memory = DecodeMemory(runner, self.kv, mode=decode_reserve,
+                                   reserved_decode_tokens=reserved_decode_tokens,
+                                   max_retractions=max_retractions,
+                                   ratio=NewTokenRatio(init=new_token_ratio[0], floor=new_token_ratio[1]))
+        self.running = RunningBatch(runner, self.kv, self._finish, memory=self.memory, retract=self._retract,
+                                    eos_token_ids=eos_token_ids, max_running=max_running,
+                                    overlap_schedule=overlap_schedule)
         self.kv_wait = KVWaitQueue(runner, self.kv, net, self.quarantine, self._fail, checksums=checksums,
                                    timeout_s=kv_wait_timeout_s, liveness_interval_s=liveness_interval_s)
         self.prealloc = PreallocQueue(self.kv, net, self.kv_wait, segment_name=segment_name,
-                                      max_context=runner.max_context, checksums=checksums, fence=fence,
-                                      page_sums=self.page_sums)
+                                      memory=self.memory, live=self.jobs.values, checksums=checksums,
+                                      fence=fence, page_sums=self.page_sums)
         self._arrivals = itertools.count()
         self._notice_thread = threading.Thread(target=self._pump_notices, name="decode-notices", daemon=True)
 
@@ -137,12 +151,12 @@ class DecodeScheduler(SchedulerLoop):
         self.inbox.post(msg)
 
     def reserve_len(self, prompt_len: int, max_tokens: int) -> int:
-        """KV slots a request needs on D: prompt + max_tokens - 1 (the last token has no KV)."""
-        return self.prealloc.reserve_len(prompt_len, max_tokens)
+        """KV slots D admits a request with (``DecodeMemory.reserve_len``)."""
+        return self.memory.reserve_len(prompt_len, max_tokens)
 
     def never_fits(self, prompt_len: int, max_tokens: int) -> str | None:
         """Why a request of this size can never fit D's pool, or None."""
-        return self.prealloc.never_fits(prompt_len, max_tokens)
+        return self.memory.never_fits(prompt_len, max_tokens)
 
     # ------------------------------------------------------------------ loop
     def _pump_notices(self) -> None:
@@ -157,7 +171,7 @@ class DecodeScheduler(SchedulerLoop):
     def idle_wait(self) -> float:
         if self.running.busy:
             return 0.0
-        return 0.01 if len(self.prealloc) else 0.1
+        return 0.01 if len(self.prealloc) or len(self.memory) else 0.1
 
     def handle(self, msg: object) -> None:
         match msg:
@@ -184,7 +198,9 @@ class DecodeScheduler(SchedulerLoop):
         self.kv_wait.expire(now)
         self.quarantine.expire(now)
         self.kv_wait.poll_liveness(now)
-        self.prealloc.schedule()
+        self.memory.resume(self.jobs.values(), self.running.settle, self.running.add_waiting)
+        if not len(self.memory):  # retracted requests come back before any new one is admitted
+            self.prealloc.schedule()
         self.running.join()
         self.running.step()
         self._gauges()
@@ -229,11 +245,25 @@ class DecodeScheduler(SchedulerLoop):
         self._end(job, quarantine=may_write)
         job.out.put(err)
 
+    def _retract(self, job: DecodeJob, reason: str) -> None:
+        """A running job the pool cannot grow: retract it, unless nothing else holds pages that
+        could ever come back (then it can never grow: RESOURCE_EXHAUSTED)."""
+        others = any(j.lease is not None for j in self.jobs.values() if j is not job)
+        if not others and not self.quarantine.num_pages:
+            self._fail(job, ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         f"decode KV pool exhausted at {job.kv_len + 1} tokens "
+                                         f"({self.kv.alloc.num_pages} pages)"))
+            return
+        self.running.running.remove(job)
+        self.memory.retract(job, reason)
+
     def _end(self, job: DecodeJob, *, quarantine: bool) -> None:
         """The job is over: out of its queue, its KV released (the destination pages to the
         quarantine when P may still write them), its room forgotten."""
         if job.state in (JobState.WAITING, JobState.RUNNING):
             self.running.remove(job)  # frees now, or after the decode step in flight
+        elif job.state is JobState.RETRACTED:
+            self.memory.discard(job)  # holds no KV
         else:
             (self.prealloc if job.state is JobState.PREALLOC else self.kv_wait).discard(job)
             withhold = self.quarantine.hold(job) if quarantine else ()
@@ -258,7 +288,7 @@ class DecodeScheduler(SchedulerLoop):
             locked_pages=st.protected_pages, owned_pages=self._owned(), min_lock_ref=st.min_lock_ref,
             held_rooms=len(self.jobs) + len(self.quarantine), held_req_slots=self.kv.r2t.num_used)
         return common_pb2.LoadReport(
-            waiting_requests=len(self.prealloc),
+            waiting_requests=len(self.prealloc) + len(self.memory),
             running_requests=len(self.running.waiting) + len(self.running.running),
             transferring_requests=len(self.kv_wait),
             kv_usage=1.0 - alloc.num_free / total, accounting=acc)
@@ -267,6 +297,8 @@ class DecodeScheduler(SchedulerLoop):
         M.DECODE_QUEUE.labels(queue="prealloc").set(len(self.prealloc))
         M.DECODE_QUEUE.labels(queue="transfer").set(len(self.kv_wait))
         M.DECODE_QUEUE.labels(queue="waiting").set(len(self.running.waiting))
+        M.DECODE_QUEUE.labels(queue="retracted").set(len(self.memory))
+        M.DECODE_NEW_TOKEN_RATIO.set(self.memory.ratio.value)
         M.DECODE_RUNNING.set(len(self.running.running))
         alloc, cache = self.kv.alloc, self.kv.cache
         ev, lk = cache.evictable_size(), cache.protected_size()

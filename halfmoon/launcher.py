@@ -124,6 +124,9 @@ class StackConfig:
     decode_policy: str = "cache_aware"
     page_size: int = 16
     kv_memory_mb: float = 384.0  # one 8192-token request of the default model (46 KB/token fp32)
+    # decode holds every running request's prompt and output: room for ~30 concurrent chats without
+    # max_tokens at the decode projection (prompt + reserve + ratio x clip tokens each)
+    decode_kv_memory_mb: float = 1024.0
     torch_threads: int = 0          # 0 = threads_per_worker(prefill + decode)
     log_dir: str = ""
     ready_timeout: float = 300.0
@@ -206,7 +209,8 @@ class Stack:
             argv = [f"serve-{role}", "--model", c.model, "--host", c.host, "--port", str(self._port(10 + 2 * k)),
                     "--metrics-port", str(self._port(11 + 2 * k)), "--registry", registry,
                     "--advertise-host", c.host, "--worker-id", wid, "--page-size", str(c.page_size),
-                    "--torch-threads", str(threads), "--kv-memory-mb", str(c.kv_memory_mb),
+                    "--torch-threads", str(threads),
+                    "--kv-memory-mb", str(c.decode_kv_memory_mb if role == "decode" else c.kv_memory_mb),
                     "--device", c.device_of(role, idx), "--dtype", c.dtype, "--load-format", c.load_format,
                     *c.worker_args, *c.role_args.get(role, [])]
             p = Proc(wid, argv, self.log_dir / f"{wid}.log", _WORKER_RE,
@@ -293,8 +297,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the router picks a decode worker")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (workers and router)")
     p.add_argument("--kv-memory-mb", type=float, default=384.0,
-                   help="KV pool per worker (MiB); the default holds one full-context (8192-token) request "
-                        "of the default model (fp32, 46 KB per token)")
+                   help="KV pool per prefill worker (MiB); the default holds one full-context (8192-token) "
+                        "request of the default model (fp32, 46 KB per token)")
+    p.add_argument("--decode-kv-memory-mb", type=float, default=1024.0,
+                   help="KV pool per decode worker (MiB); decode holds every running request's prompt "
+                        "and output, so it needs more than prefill (the default serves ~30 concurrent "
+                        "chats without max_tokens)")
     p.add_argument("--torch-threads", type=int, default=0, help="per worker (0 = cores / workers, at least 1)")
     p.add_argument("--prefill-device", default="cpu",
                    help="device of the prefill workers: cpu | cuda:N, or a comma list taken in turn")
@@ -351,7 +359,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                 raise SystemExit(f"up: {flag}: {dev.strip()!r} is not cpu, cuda or cuda:N")
     return StackConfig(model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
                        host=args.host, prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
-                       page_size=args.page_size, kv_memory_mb=args.kv_memory_mb, torch_threads=args.torch_threads,
+                       page_size=args.page_size, kv_memory_mb=args.kv_memory_mb,
+                       decode_kv_memory_mb=args.decode_kv_memory_mb, torch_threads=args.torch_threads,
                        log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
                        prefill_device=args.prefill_device, decode_device=args.decode_device, dtype=args.dtype,
                        load_format=args.load_format,

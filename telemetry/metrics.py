@@ -56,7 +56,8 @@ transfer (transfer_svc engine, counted on the **sender**, i.e. in the prefill pr
 decode (decode_svc)
   - ``halfmoon_decode_queue_requests`` gauge {queue}: queue ∈ :data:`DECODE_QUEUES`: prealloc
     (waiting for KV pages), transfer (pages allocated, waiting for the prefill's KV + notice),
-    waiting (KV committed, waiting to join the running batch).
+    waiting (KV committed, waiting to join the running batch), retracted (KV given back when the
+    pool ran short, waiting to resume).
   - ``halfmoon_decode_running_requests`` gauge: requests in the running (continuous) batch.
   - ``halfmoon_decode_kv_pool_usage_ratio`` gauge: 1 − (free + evictable) / total pages of the KV
     pool, in [0, 1]: the share held by requests (locked prefixes + owned pages), as SGLang's
@@ -77,6 +78,17 @@ decode (decode_svc)
   - ``halfmoon_decode_quarantine_releases_total`` counter {cause}: quarantined destination rooms
     released; cause ∈ :data:`QUARANTINE_RELEASE_CAUSES` (notice, rejected, process_gone,
     new_incarnation, fence_deadline). fence_deadline means P never answered within its write fence.
+  - ``halfmoon_decode_retractions_total`` counter {reason}: running requests retracted because a
+    decode step could not grow them; reason ∈ :data:`RETRACTION_REASONS` (newest: the newest
+    unpinned request; pinned: every candidate was pinned, the newest taken).
+  - ``halfmoon_decode_reserve_misses_total`` counter: decode steps at which a request outgrew its
+    reserve and the pool (after eviction) could not give the next page.
+  - ``halfmoon_decode_resume_recomputed_tokens_total`` counter: tokens D recomputed itself (EXTEND)
+    when a retracted request resumed (its prefix the radix cache no longer held).
+  - ``halfmoon_decode_kv_projected_pages`` gauge: pages the live requests are projected to still
+    take (admission keeps them available); compare with ``kv_pool_pages{state="owned"}``.
+  - ``halfmoon_decode_new_token_ratio`` gauge: the projection's ratio of remaining tokens a request
+    is expected to still generate, in (0, 1].
 registry (transfer_svc registry service, ``halfmoon serve-transfer``)
   - ``halfmoon_registry_workers`` gauge {role}: live registered workers; role ∈ {prefill, decode}.
   - ``halfmoon_registry_expired_leases_total`` counter: segments dropped because heartbeats stopped.
@@ -107,6 +119,7 @@ disable_created_metrics()
 
 __all__ = [
     "ROLES", "GROUPS_BY_ROLE", "REQUEST_STATUSES", "PREFILL_QUEUES", "DECODE_QUEUES",
+    "RETRACTION_REASONS",
     "KV_PAGE_STATES", "TRANSFER_FAILURE_REASONS", "QUARANTINE_RELEASE_CAUSES", "REGISTRY_LOOKUP_RESULTS", "METRICS_BY_GROUP",
     "build_registry", "start_metrics_server", "stop_metrics_servers",
 ]
@@ -115,7 +128,8 @@ __all__ = [
 REQUEST_STATUSES = ("ok", "error", "cancelled", "timeout", "invalid", "rejected")
 RETRY_LEGS = ("prefill", "decode")
 PREFILL_QUEUES = ("waiting_destination", "prefilling", "transferring")
-DECODE_QUEUES = ("prealloc", "transfer", "waiting")
+DECODE_QUEUES = ("prealloc", "transfer", "waiting", "retracted")
+RETRACTION_REASONS = ("newest", "pinned")
 KV_PAGE_STATES = ("free", "evictable", "locked", "owned")
 QUARANTINE_RELEASE_CAUSES = ("notice", "rejected", "process_gone", "new_incarnation", "fence_deadline")
 TRANSFER_FAILURE_REASONS = (
@@ -242,6 +256,23 @@ DECODE_QUARANTINE_RELEASES = Counter(
     "halfmoon_decode_quarantine_releases_total",
     "Quarantined destination rooms released, by cause (P's notice, rejected, P proven gone, fence).",
     ["cause"], registry=_R)
+DECODE_RETRACTIONS = Counter(
+    "halfmoon_decode_retractions_total",
+    "Running decode requests retracted because the pool could not grow them, by reason.",
+    ["reason"], registry=_R)
+DECODE_RESERVE_MISSES = Counter(
+    "halfmoon_decode_reserve_misses_total",
+    "Decode steps at which a request outgrew its reserve and the pool could not give a page.",
+    registry=_R)
+DECODE_RESUME_RECOMPUTED_TOKENS = Counter(
+    "halfmoon_decode_resume_recomputed_tokens_total",
+    "Tokens recomputed on decode (EXTEND) when a retracted request resumed.", registry=_R)
+DECODE_PROJECTED_PAGES = Gauge(
+    "halfmoon_decode_kv_projected_pages",
+    "KV pages the live decode requests are projected to still take.", registry=_R)
+DECODE_NEW_TOKEN_RATIO = Gauge(
+    "halfmoon_decode_new_token_ratio",
+    "Projected share of a request's remaining tokens it will still generate.", registry=_R)
 
 # --- registry -----------------------------------------------------------------------------------
 REGISTRY_WORKERS = Gauge(
@@ -271,6 +302,8 @@ for _s in KV_PAGE_STATES:
     DECODE_KV_PAGES.labels(state=_s)
 for _c in QUARANTINE_RELEASE_CAUSES:
     DECODE_QUARANTINE_RELEASES.labels(cause=_c)
+for _reason in RETRACTION_REASONS:
+    DECODE_RETRACTIONS.labels(reason=_reason)
 
 METRICS_BY_GROUP: dict[str, tuple] = {
     "router": (ROUTER_REQUESTS, ROUTER_TTFT, ROUTER_ITL, ROUTER_E2E, ROUTER_RETRIES,
@@ -280,7 +313,9 @@ METRICS_BY_GROUP: dict[str, tuple] = {
     "transfer": (TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES),
     "decode": (DECODE_QUEUE, DECODE_RUNNING, DECODE_KV_USAGE, DECODE_KV_PAGES, DECODE_PROMPT_TOKENS,
                DECODE_PREFIX_HIT_TOKENS, DECODE_GENERATED_TOKENS, DECODE_EVICTED_PAGES,
-               DECODE_KV_CHECKSUM_MISMATCHES, DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES),
+               DECODE_KV_CHECKSUM_MISMATCHES, DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES,
+               DECODE_RETRACTIONS, DECODE_RESERVE_MISSES, DECODE_RESUME_RECOMPUTED_TOKENS,
+               DECODE_PROJECTED_PAGES, DECODE_NEW_TOKEN_RATIO),
     "registry": (REGISTRY_WORKERS, REGISTRY_EXPIRED_LEASES, REGISTRY_LOOKUPS),
 }
 # role of a process -> metric groups it exports (transfer is counted on the sender = prefill).

@@ -106,6 +106,18 @@ ROWS = [
          [("max by (instance) (halfmoon_decode_kv_pool_usage_ratio)", "{{instance}}")]),
         ("Decode KV pages by state", "timeseries", "short", "free + evictable + locked + owned = pool size.",
          [("sum by (state) (halfmoon_decode_kv_pool_pages)", "{{state}}")]),
+        ("Decode retractions", "timeseries", "short",
+         "Per second: running requests retracted when the pool could not grow them (by reason), decode "
+         "steps that found the pool short (reserve misses), tokens recomputed on resume.",
+         [("sum by (reason) (rate(halfmoon_decode_retractions_total[1m]))", "retracted {{reason}}"),
+          ("sum(rate(halfmoon_decode_reserve_misses_total[1m]))", "reserve misses"),
+          ("sum(rate(halfmoon_decode_resume_recomputed_tokens_total[1m]))", "recomputed tokens")]),
+        ("Decode projected vs owned pages", "timeseries", "short",
+         "Pages admission projects the live requests to still take, the pages they own now, and the "
+         "projection's new-token ratio (x100).",
+         [("sum by (instance) (halfmoon_decode_kv_projected_pages)", "projected {{instance}}"),
+          ('sum by (instance) (halfmoon_decode_kv_pool_pages{state="owned"})', "owned {{instance}}"),
+          ("100 * max by (instance) (halfmoon_decode_new_token_ratio)", "ratio x100 {{instance}}")]),
         ("Prefix cache hit rate", "timeseries", "percentunit",
          "Share of prompt tokens served from the radix caches (5m): prefill (not recomputed), decode (not transferred).",
          [("halfmoon:prefill_cache_hit_ratio:rate5m", "prefill"),

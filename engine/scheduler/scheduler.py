@@ -10,8 +10,10 @@ Each :meth:`Scheduler.step` runs one forward:
   allocates the rest of the sequence; it keeps one page of headroom per running request so the next
   decode step does not have to preempt at once.
 * **decode** otherwise: one token for every running request; when the pool is short even after
-  eviction, the newest request is preempted (its committed tokens go to the radix cache, its pages
-  are freed, and it re-enters the waiting queue at the front, resuming with prompt + output).
+  eviction, a request is preempted, chosen by the policy the decode worker's retraction shares
+  (``engine.scheduler.retraction.pick_victim``: the newest not yet preempted too often), its
+  committed tokens go to the radix cache, its pages are freed, and it re-enters the waiting queue
+  at the front, resuming with prompt + output.
 
 A finished request inserts its committed tokens (prompt + outputs whose K/V exists; the last
 sampled token has none) into the radix cache, frees duplicate and tail pages, unlocks its prefix
@@ -34,6 +36,7 @@ from engine.kvcache.cache_manager import CacheManager
 from engine.kvcache.prefix_cache import NullPrefixCache
 from engine.kvcache.radix_cache import RadixCache
 from engine.scheduler.request import FinishReason, Req
+from engine.scheduler.retraction import pick_victim
 from engine.sampler import sample
 
 
@@ -168,7 +171,8 @@ class Scheduler:
             if req not in self.running:
                 continue  # preempted meanwhile
             while not self.kv.grow(req.lease, req.seq_len):
-                victim = max(self.running, key=lambda r: r.arrival)
+                victim, _ = pick_victim(self.running, arrival=lambda r: r.arrival,
+                                        retractions=lambda r: r.preemptions)
                 self._preempt(victim)
                 if victim is req:
                     break

@@ -28,7 +28,7 @@ def endpoints_file() -> Path:
         from halfmoon.launcher import Stack, StackConfig
 
         tmp = Path(tempfile.mkdtemp(prefix="halfmoon-bench-live-"))
-        stack = Stack(StackConfig(model=MODEL, base_port=0, log_dir=str(tmp / "logs"), kv_memory_mb=128.0,
+        stack = Stack(StackConfig(model=MODEL, base_port=0, log_dir=str(tmp / "logs"), kv_memory_mb=128.0, decode_kv_memory_mb=128.0,
                                   ready_timeout=240.0))
         atexit.register(stack.stop)
         try:

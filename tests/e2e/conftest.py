@@ -21,7 +21,7 @@ MAX_TOKENS = 8  # tokens an e2e request generates unless it asks for more
 
 @contextlib.contextmanager
 def running_stack(tmp_path, prefill: int, decode: int, **kw):
-    cfg = StackConfig(model=MODEL, prefill=prefill, decode=decode, base_port=0, kv_memory_mb=64,
+    cfg = StackConfig(model=MODEL, prefill=prefill, decode=decode, base_port=0, kv_memory_mb=64, decode_kv_memory_mb=64,
                       torch_threads=1, log_dir=str(tmp_path), ready_timeout=300, stop_timeout=10,
                       worker_args=["--transport", "sm", "--max-running-requests", "32"], **kw)
     with Stack(cfg) as st:

@@ -248,7 +248,7 @@ def test_commit_streams_the_colocated_tokens(model, reference):
     assert job.state is JobState.TRANSFER and job.dest_state is DestState.SENDING
     d.tick()  # SetDestination's answer
     assert job.dest_state is DestState.ACCEPTED and job.prefill_segment == P_SEG
-    assert len(job.lease.own_pages) == 4  # 10 + 6 - 1 slots reserved up front: D never preempts
+    assert len(job.lease.own_pages) == 4  # 10 + min(reserve, 6 - 1) slots
     d.prefill(job, ref[0], checksums=True)
     d.run_until_done(job)
     toks, end = outcome(job)

@@ -1,0 +1,175 @@
+"""D's memory policy: what a request reserves, what admission projects, retraction and resume.
+
+* **Reserve.** ``ondemand`` (default): a request is admitted for its prompt plus a small decode
+  reserve (``--num-reserved-decode-tokens``, capped at ``max_tokens - 1``: the last sampled token
+  has no K/V) and grows a page at a time before each decode step. ``full``: the old behaviour,
+  ``prompt + max_tokens - 1`` slots up front, never grows, never retracts.
+* **Projection.** Admission (new requests and resumes) keeps the pages that the live requests are
+  projected to still take available (``engine.scheduler.retraction.NewTokenRatio``), so that it
+  rarely has to be undone. With nothing else live a request is admitted whenever it fits.
+* **Retraction.** When a decode step cannot grow a running request, the newest unpinned running
+  request is retracted (``engine.scheduler.retraction.pick_victim``): its committed tokens' full
+  pages go to the radix cache, the rest is freed, and it waits here, ahead of every new request.
+  Only RUNNING requests are candidates: P answered them, so no peer writes their pages.
+* **Resume.** A retracted request is admitted again with ``prompt + output[:-1]`` (the tokens whose
+  K/V existed) as its prefix: the radix cache gives back what it kept, and D recomputes the
+  uncached tail itself with one EXTEND forward on its own runner. No new prefill leg: P has
+  forgotten the room, the router's stream stays as it is, and the tail is short (at most the last
+  partial page when the cache kept everything). The job keeps its last sampled token (the next
+  input), its sampler generator and its detokenizer, so its stream continues without a gap or a
+  repeated token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from decode_svc.jobs import DecodeJob, JobState
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.kvcache.cache_manager import CacheManager
+from engine.scheduler.retraction import MAX_RETRACTIONS, NewTokenRatio, pick_victim
+from telemetry import metrics as M
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+log = logging.getLogger("halfmoon.decode")
+
+RESERVE_MODES = ("ondemand", "full")
+
+
+class DecodeMemory:
+    """Reserve sizes, projected headroom, the retracted queue and resumes (scheduler thread only).
+
+    Args:
+        runner: D's ModelRunner (the resume EXTEND forward); kv: D's CacheManager.
+        mode: "ondemand" or "full" (see the module docstring).
+        reserved_decode_tokens: decode slots admitted with the prompt in ondemand mode (>= 1).
+        max_retractions: a request retracted this often is pinned.
+        ratio: the projection (default ``NewTokenRatio()``).
+    Raises:
+        ValueError: an unknown mode or a reserve < 1.
+    """
+
+    def __init__(self, runner: ModelRunner, kv: CacheManager, *, mode: str = "ondemand",
+                 reserved_decode_tokens: int = 128, max_retractions: int = MAX_RETRACTIONS,
+                 ratio: NewTokenRatio | None = None):
+        if mode not in RESERVE_MODES:
+            raise ValueError(f"decode reserve mode {mode!r}: not one of {RESERVE_MODES}")
+        if reserved_decode_tokens < 1:
+            raise ValueError(f"num_reserved_decode_tokens must be >= 1, got {reserved_decode_tokens}")
+        self.runner = runner
+        self.kv = kv
+        self.mode = mode
+        self.reserve = reserved_decode_tokens
+        self.max_retractions = max_retractions
+        self.ratio = ratio or NewTokenRatio()
+        self.max_context = runner.max_context
+        self.retracted: list[DecodeJob] = []  # arrival order: the oldest resumes first
+
+    @property
+    def ondemand(self) -> bool:
+        return self.mode == "ondemand"
+
+    def __len__(self) -> int:
+        return len(self.retracted)
+
+    # ------------------------------------------------------------------ sizes
+    def reserve_len(self, prompt_len: int, max_tokens: int) -> int:
+        """KV slots admission takes for a new request (capped at the row length): prompt +
+        ``min(reserve, max_tokens - 1)`` (ondemand) or prompt + max_tokens - 1 (full)."""
+        extra = max_tokens - 1 if not self.ondemand else min(self.reserve, max_tokens - 1)
+        return min(prompt_len + extra, self.max_context)
+
+    def never_fits(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why such a request can never be admitted (more pages than the pool has), or None."""
+        need = self.kv.pages_for(self.reserve_len(prompt_len, max_tokens))
+        total = self.kv.alloc.num_pages
+        if need <= total:
+            return None
+        what = f"{min(self.reserve, max_tokens - 1)} reserved decode tokens" if self.ondemand else \
+            f"max_tokens ({max_tokens})"
+        return f"prompt ({prompt_len} tokens) + {what} needs {need} KV pages; the decode pool has {total}"
+
+    def future_pages(self, job: DecodeJob) -> int:
+        """Pages a live job is projected to still take beyond the slots it holds (0 in full mode)."""
+        if not self.ondemand or job.lease is None:
+            return 0
+        done = max(job.kv_len, len(job.prompt_ids))
+        want = min(done + self.ratio.projected_tokens(job.params.max_tokens - len(job.output_ids)),
+                   self.max_context)
+        return max(0, self.kv.pages_for(want) - self.kv.pages_for(job.lease.alloc_len))
+
+    def new_future_pages(self, prompt_len: int, max_tokens: int, held_len: int) -> int:
+        """Pages a request about to be admitted with ``held_len`` slots is projected to take later."""
+        if not self.ondemand:
+            return 0
+        want = min(prompt_len + self.ratio.projected_tokens(max_tokens), self.max_context)
+        return max(0, self.kv.pages_for(want) - self.kv.pages_for(held_len))
+
+    def headroom(self, live: Iterable[DecodeJob]) -> tuple[int, bool]:
+        """(pages the live jobs are projected to still take, whether any live job holds a lease)."""
+        pages, any_lease = 0, False
+        for j in live:
+            if j.lease is not None:
+                any_lease = True
+                pages += self.future_pages(j)
+        M.DECODE_PROJECTED_PAGES.set(pages)
+        return pages, any_lease
+
+    # ------------------------------------------------------------------ retraction
+    def victim(self, running: list[DecodeJob]) -> tuple[DecodeJob | None, str]:
+        """The running job to retract (the newest unpinned), and the reason label."""
+        return pick_victim(running, arrival=lambda j: j.seq, retractions=lambda j: j.retractions,
+                           max_retractions=self.max_retractions)
+
+    def retract(self, job: DecodeJob, reason: str) -> None:
+        """Take a settled RUNNING job (already out of the batch, no step in flight writes its slots)
+        off the pool: committed full pages to the radix cache, the rest freed; it waits to resume."""
+        log.debug("retract room=%d kv_len=%d out=%d (%s)", job.room, job.kv_len, len(job.output_ids), reason)
+        job.release_kv(self.kv)
+        job.retractions += 1
+        job.state = JobState.RETRACTED
+        bisect.insort(self.retracted, job, key=lambda j: j.seq)
+        self.ratio.on_retract()
+        M.DECODE_RETRACTIONS.labels(reason=reason).inc()
+
+    def discard(self, job: DecodeJob) -> None:
+        if job in self.retracted:
+            self.retracted.remove(job)
+
+    def resume(self, live: Iterable[DecodeJob], settle: Callable[[], None],
+               start: Callable[[DecodeJob], None]) -> None:
+        """Admit retracted jobs again, oldest first, while the projection allows; recompute each
+        one's uncached tail with an EXTEND forward, then ``start`` it (back to the waiting list).
+        ``settle`` completes the decode step in flight before D's runner runs another forward."""
+        while self.retracted:
+            job = self.retracted[0]
+            tokens = job.kv_tokens()
+            n = len(tokens)
+            held = min(n + min(self.reserve, max(1, job.params.max_tokens - len(job.output_ids))),
+                       self.max_context)
+            others, any_lease = self.headroom(j for j in live if j is not job)
+            head = 0
+            if any_lease:
+                remaining = job.params.max_tokens - len(job.output_ids)
+                want = min(n + self.ratio.projected_tokens(remaining), self.max_context)
+                head = others + max(0, self.kv.pages_for(want) - self.kv.pages_for(held))
+            lease = self.kv.admit(tokens, match_len=n, alloc_len=held, headroom_pages=head)
+            if lease is None:
+                return
+            self.retracted.pop(0)
+            job.lease = lease
+            if lease.pre_len < n:
+                settle()
+                slots = self.kv.r2t.req_to_token[lease.row, lease.pre_len:n]
+                batch = ForwardBatch.build(ForwardMode.EXTEND, [lease.row], [lease.pre_len],
+                                           [tokens[lease.pre_len:]], slots, self.runner.device)
+                self.runner.forward(batch)
+            M.DECODE_RESUME_RECOMPUTED_TOKENS.inc(n - lease.pre_len)
+            self.kv.commit(lease, tokens)
+            log.debug("resume room=%d kv_len=%d cached=%d", job.room, n, lease.pre_len)
+            start(job)

@@ -1,0 +1,104 @@
+"""On-demand decode memory with real processes: retraction under a tiny pool, and many chats
+without ``max_tokens`` on ``halfmoon up``'s default pool.
+
+* P → D with a 24-page decode pool, a 16-token reserve and a projection that admits whatever
+  fits: 8 requests that each end at 6 pages
+  cannot all hold their KV at once, so D retracts and resumes (recomputing tails itself) again and
+  again; every request's greedy tokens must still equal the co-located engine's.
+* 16 concurrent OpenAI chats without ``max_tokens`` (each may use the rest of the 8192-token
+  context) through the router on ``halfmoon up``'s default stack: all 16 must be in D's running
+  batch at once and finish within a bounded time. With D reserving ``prompt + max_tokens - 1``
+  slots per request they ran one at a time (see docs/architecture.md, Decode memory).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.integration.conftest import MODEL, assert_idle_accounting, get_load, model_available, start_stack
+from tests.integration.pd_driver import PDDriver, colocated_generate
+
+pytestmark = pytest.mark.skipif(not model_available(), reason="SmolLM2 is not pulled (halfmoon models pull)")
+
+TEXT = ("The harbour master kept a ledger of every ship that came in, its cargo, its crew and the "
+        "weather on the day it arrived. ")
+
+
+def scrape(metrics_address: str, name: str) -> float:
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_greedy_under_heavy_retraction_equals_colocated(tmp_path):
+    from transformers import AutoTokenizer
+
+    from engine.model_store import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(MODEL)))
+    prompts = [tok.encode(f"Entry {i}. " + TEXT)[:40] for i in range(8)]
+    max_tokens = 48
+    ref = colocated_generate(prompts, max_tokens)
+    with start_stack(tmp_path, decode_pages=24,
+                     decode_extra=["--num-reserved-decode-tokens", "16", "--max-retractions", "4",
+                                   "--init-new-token-ratio", "0.01", "--min-new-token-ratio", "0.01"]) as st:
+        drv = PDDriver(st.prefill_addr, st.decode_addr, timeout_s=80)
+        results = drv.generate_many(prompts, max_tokens=max_tokens, concurrency=len(prompts))
+        drv.close()
+        for r, want in zip(results, ref):
+            assert r.ok, (r.decode_error, r.prefill_error)
+            assert r.tokens == want
+        assert scrape(st.decode.metrics_address, "halfmoon_decode_retractions_total") >= 2
+        assert scrape(st.decode.metrics_address, "halfmoon_decode_resume_recomputed_tokens_total") > 0
+        assert_idle_accounting(st)
+
+
+# greedy answers of 10-50 tokens, each ending on EOS (a bounded run; no max_tokens is sent)
+CHATS = ["Say hi.", "Name a color.", "Name a fruit.", "Name a vegetable.", "Name a river.", "Name a city.",
+         "Name an animal.", "Name a sport.", "Name a number.", "Name a month.", "Say hello.",
+         "Name a planet.", "Name a tree.", "Name a shape.", "Name a metal.", "Name an insect."]
+
+
+def test_16_chats_without_max_tokens_run_together(tmp_path):
+    import openai
+
+    from halfmoon.launcher import Stack, StackConfig
+
+    cfg = StackConfig(model=MODEL, base_port=0, torch_threads=1, log_dir=str(tmp_path), ready_timeout=300,
+                      worker_args=["--transport", "sm"])  # the default pools and batch sizes
+    with Stack(cfg) as st:
+        decode = st.endpoints["decode"][0]["grpc"]
+        client = openai.OpenAI(base_url=f"http://{st.endpoints['router']['http']}/v1", api_key="x",
+                               timeout=75, max_retries=0)
+        peak = [0]
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                peak[0] = max(peak[0], get_load(decode, "decode").running_requests)
+                time.sleep(0.05)
+
+        def chat(text):
+            r = client.chat.completions.create(model=MODEL, temperature=0,
+                                               messages=[{"role": "user", "content": text}])
+            return r.choices[0].finish_reason, r.usage.completion_tokens
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        t0 = time.monotonic()
+        try:
+            with ThreadPoolExecutor(len(CHATS)) as ex:
+                out = list(ex.map(chat, CHATS))
+        finally:
+            done.set()
+            watcher.join()
+        elapsed = time.monotonic() - t0
+        assert all(reason == "stop" for reason, _ in out), out
+        assert peak[0] == len(CHATS), f"at most {peak[0]} chats decoded together ({elapsed:.1f} s)"
+        assert_idle_accounting([("decode", decode), ("prefill", st.endpoints["prefill"][0]["grpc"])])
