@@ -26,7 +26,6 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import grpc
@@ -134,17 +133,6 @@ class DecodeScheduler(SchedulerLoop):
         found = self.known.knows(room, request_id)
         self.inbox.post(Abort(room, request_id, reason))
         return found
-
-    def abort_job(self, job: DecodeJob, reason: str) -> None:
-        """Queue the abort of ``job`` itself (its stream ended): nothing happens unless it is still
-        its room's live job."""
-        self.inbox.post(Abort(job.room, job.request_id, reason, job))
-
-    def load(self) -> common_pb2.LoadReport:
-        """Load and KV accounting, from the scheduler thread (waits up to 60 s; TimeoutError)."""
-        fut: Future = Future()
-        self.inbox.post(LoadQuery(fut))
-        return fut.result(timeout=60)
 
     def post(self, msg: DestResult | PeerGone | Notice) -> None:
         """A message from a network thread."""

@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 
 import grpc
 
-from pd_common.inbox import Inbox, Wake
+from pd_common.inbox import Abort, Inbox, LoadQuery, Wake
 from pd_common.protocol import ServiceError
 from pd_common.rooms import KnownRooms
 from pd_common.worker_runtime import bind_cuda_device
+from protos import common_pb2
 
 
 class SchedulerLoop(ABC):
@@ -39,6 +41,17 @@ class SchedulerLoop(ABC):
 
     def start(self) -> None:
         self._thread.start()
+
+    def abort_job(self, job, reason: str) -> None:
+        """Queue the abort of ``job`` itself (its call or stream ended): nothing happens unless it is
+        still its room's live job, so a refused duplicate never ends the request it collided with."""
+        self.inbox.post(Abort(job.room, job.request_id, reason, job))
+
+    def load(self) -> common_pb2.LoadReport:
+        """Load and KV accounting (pages), from the scheduler thread. Raises TimeoutError after 60 s."""
+        fut: Future = Future()
+        self.inbox.post(LoadQuery(fut))
+        return fut.result(timeout=60)
 
     def stop(self, message: str) -> None:
         """End the loop and answer every waiting caller with UNAVAILABLE ``message``."""

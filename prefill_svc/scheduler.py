@@ -121,17 +121,6 @@ class PrefillScheduler(SchedulerLoop):
         self.inbox.post(Abort(room, request_id, reason))
         return found
 
-    def abort_job(self, job: PrefillJob, reason: str) -> None:
-        """Queue the abort of ``job`` itself (its call ended): nothing happens unless it is still
-        its room's live job."""
-        self.inbox.post(Abort(job.room, job.request_id, reason, job))
-
-    def load(self) -> common_pb2.LoadReport:
-        """Load and KV accounting (pages) from the scheduler thread. Raises TimeoutError after 60 s."""
-        fut: Future = Future()
-        self.inbox.post(LoadQuery(fut))
-        return fut.result(timeout=60)
-
     def never_fits(self, prompt_len: int) -> str | None:
         """Why a prompt of ``prompt_len`` tokens can never fit P's pool, or None."""
         pages = pages_for(prompt_len, self.ps)

@@ -12,11 +12,10 @@ from __future__ import annotations
 import threading
 import time
 
-import grpc
 import pytest
 
 from tests.integration.conftest import (assert_idle_accounting, get_load, model_available,
-                                        start_stack, start_worker, wait_ready)
+                                        start_stack, start_worker)
 from tests.integration.pd_driver import PDDriver, sampling
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="SmolLM2 is not pulled (halfmoon models pull)")
