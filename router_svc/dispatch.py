@@ -110,7 +110,8 @@ def _discard(task: asyncio.Future) -> None:
 async def _abort_leg(w: Worker, req: common_pb2.AbortRequest) -> None:
     try:
         await w.stub.Abort(req, timeout=5.0)
-    except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError) as exc:
+        # UsageError: the worker was removed from the pool meanwhile and its channel closed
         log.debug("Abort to %s failed: %s", w.worker_id, exc)
 
 

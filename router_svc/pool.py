@@ -147,6 +147,9 @@ class WorkerPool:
     async def _check(self, w: Worker, timeout: float) -> bool | None:
         """One health check: True (SERVING), False (down: NOT_SERVING, or the connection fails), or
         None (no answer in time: a worker busy computing on a loaded CPU is slow, not dead)."""
+        if w.removed:  # remove() closed its channel: a call would raise UsageError, not a status
+            w.last_error = "removed from the pool"
+            return False
         try:
             resp = await health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                      timeout=timeout)
