@@ -85,14 +85,19 @@ class DecodeMemory:
         return min(prompt_len + extra, self.max_context)
 
     def never_fits(self, prompt_len: int, max_tokens: int) -> str | None:
-        """Why such a request can never be admitted (more pages than the pool has), or None."""
-        need = self.kv.pages_for(self.reserve_len(prompt_len, max_tokens))
+        """Why such a request can never complete on this pool, or None.
+
+        In both modes that is prompt + max_tokens - 1 slots (capped at the row length) over the whole
+        pool: on-demand admission takes less up front, but a request that could outgrow the pool even
+        alone is refused at once (RESOURCE_EXHAUSTED) rather than failed mid-stream. A context-sized
+        request fits any pool sized for one full context (``halfmoon up``'s default does).
+        """
+        need = self.kv.pages_for(min(prompt_len + max_tokens - 1, self.max_context))
         total = self.kv.alloc.num_pages
         if need <= total:
             return None
-        what = f"{min(self.reserve, max_tokens - 1)} reserved decode tokens" if self.ondemand else \
-            f"max_tokens ({max_tokens})"
-        return f"prompt ({prompt_len} tokens) + {what} needs {need} KV pages; the decode pool has {total}"
+        return (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV pages; "
+                f"the decode pool has {total}")
 
     def future_pages(self, job: DecodeJob) -> int:
         """Pages a live job is projected to still take beyond the slots it holds (0 in full mode)."""

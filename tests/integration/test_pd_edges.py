@@ -75,10 +75,9 @@ def test_never_fits_is_resource_exhausted(drv, pd_stack):
         drv.prefill.Prefill(prefill_pb2.PrefillRequest(room=9, input_ids=too_long, sampling=sampling(1)),
                             timeout=30)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    # D admits prompt + a small decode reserve and grows on demand, so what can never fit is a prompt
-    # larger than its pool; a large max_tokens alone is bounded by the pool at run time (retraction)
-    with pytest.raises(grpc.RpcError) as e:
-        list(drv.decode.Generate(decode_pb2.DecodeRequest(room=9, input_ids=too_long, sampling=sampling(1),
+    with pytest.raises(grpc.RpcError) as e:   # D reserves prompt + max_tokens
+        list(drv.decode.Generate(decode_pb2.DecodeRequest(room=9, input_ids=[7] * 100,
+                                                          sampling=sampling(total * pd_stack.page_size),
                                                           prefill_address=drv.prefill_addr), timeout=30))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert_idle_accounting(pd_stack)

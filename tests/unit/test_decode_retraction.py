@@ -153,10 +153,12 @@ def test_full_mode_reserves_everything_and_never_retracts(model, reference):
 
 def test_never_fits_and_alone_exhausted(model, reference):
     d = Decode(model, num_pages=4, reserved_decode_tokens=8)
-    assert "reserved decode tokens" in d.sched.never_fits(10, 30)  # 10 + 8 > 16 slots
-    assert d.sched.never_fits(8, 30) is None
+    assert "max_tokens (30)" in d.sched.never_fits(8, 30)  # 8 + 29 > 16 slots: refused up front
+    assert d.sched.never_fits(8, 9) is None                 # 8 + 8 fits
     ref = reference(PROMPTS[2], 30)
-    j = d.submit(PROMPTS[2], 30)  # 6 + 8 fits, 6 + 29 never does: alone, it fails when the pool ends
+    # past the server's up-front check (the scheduler is driven directly): 6 + 8 fits, 6 + 29 never
+    # does; alone, it fails when the pool ends instead of hanging
+    j = d.submit(PROMPTS[2], 30)
     drive(d, [j], [ref[0]])
     toks, end = outcome(j)
     assert code(end) is grpc.StatusCode.RESOURCE_EXHAUSTED and toks == ref[:len(toks)] and len(toks) == 11
