@@ -25,8 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.kvcache.page_allocator import PageAllocator
 from engine.kvcache.paging import page_slots, pages_for
 from engine.kvcache.prefix_cache import NullPrefixCache, PrefixCache
@@ -137,18 +135,15 @@ class CacheManager:
         cur, ps = lease.alloc_len, self.page_size
         if new_len <= cur:
             return True
-        need = self.pages_for(new_len) - self.pages_for(cur)
-        if not self.ensure_free(need):
+        if not self.ensure_free(self.pages_for(new_len) - self.pages_for(cur)):
             return False
-        pages = self.alloc.alloc(need)
-        if pages is None:
+        last = int(self.r2t.req_to_token[lease.row, cur - 1]) if cur % ps else None
+        slots = self.alloc.alloc_slots(cur, new_len, last)  # fills the partly used last page first
+        if slots is None:
             return False
-        head = torch.empty(0, dtype=torch.int64)
-        if cur % ps:  # the rest of the partly used last page comes first
-            last = int(self.r2t.req_to_token[lease.row, cur - 1])
-            head = torch.arange(last + 1, min(last + 1 + new_len - cur, (last // ps + 1) * ps))
-        self.r2t.write(lease.row, cur, torch.cat([head, page_slots(pages, ps)])[: new_len - cur])
-        lease.own_pages.extend(pages)
+        self.r2t.write(lease.row, cur, slots)
+        new = slots.to("cpu")
+        lease.own_pages.extend((new[new % ps == 0] // ps).tolist())  # a fresh page shows by its first slot
         lease.alloc_len = new_len
         return True
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kvcache.paging import page_slots
+
 
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu"):
@@ -84,9 +86,5 @@ class PageAllocator:
         if cur_len % ps:
             assert last_slot is not None, "a partly filled page needs last_slot"
             head = list(range(last_slot + 1, min(last_slot + 1 + n, (last_slot // ps + 1) * ps)))
-        out = torch.tensor(head, dtype=torch.int64)
-        if pages:
-            pg = torch.tensor(pages, dtype=torch.int64)
-            body = (pg[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[: n - len(head)]
-            out = torch.cat([out, body])
-        return out.to(self.device)
+        body = page_slots(pages, ps, n - len(head))
+        return torch.cat([torch.tensor(head, dtype=torch.int64), body]).to(self.device)
