@@ -1,4 +1,5 @@
-"""A request whose bytes do not parse ends INVALID_ARGUMENT naming the field, on every gRPC server.
+"""A request whose bytes do not parse, or that carries a field its type does not declare, ends
+INVALID_ARGUMENT naming the field, on every gRPC server.
 
 A proto3 ``string`` field holding invalid UTF-8 fails in the request deserializer, before any
 servicer code runs: grpc logs a traceback and ends the call INTERNAL (sync server) or UNKNOWN
@@ -7,6 +8,11 @@ one that, on a decode error, parses the same bytes with a twin of the request ty
 fields are ``bytes`` (built at runtime from the descriptors), finds the first of them that is not
 UTF-8, and hands the handler a marker instead of a request: the call ends INVALID_ARGUMENT
 ``"<field path>: invalid UTF-8"`` (``sampling.stop[1]: invalid UTF-8``) before the servicer runs.
+
+A field number the request type does not declare (a client built from another version of the
+protos, or a typo'd field) would be kept as an unknown field and silently ignored by proto3; here
+it ends INVALID_ARGUMENT ``"sampling: unknown field number 15 in halfmoon.v1.SamplingParams"``
+(docs/architecture.md, Invariants: nothing accepted is ignored).
 
     server = grpc.server(executor, interceptors=[InvalidRequestInterceptor()])
     server = grpc.aio.server(interceptors=[AioInvalidRequestInterceptor()])
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
+from google.protobuf.unknown_fields import UnknownFieldSet
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescriptor
 
 # Twins live in a pool of their own under the original names, so references between messages and
@@ -107,12 +114,37 @@ def undecodable_details(cls: type[message.Message], data: bytes, error: Exceptio
     return f"{path}: invalid UTF-8"
 
 
+def unknown_field_details(msg: message.Message, path: str = "") -> str | None:
+    """The status message for the first field of ``msg`` (or of a message inside it) that its type
+    does not declare, or None when there is none."""
+    unknown = UnknownFieldSet(msg)
+    if len(unknown):
+        where = f"{path}: " if path else ""
+        return f"{where}unknown field number {unknown[0].field_number} in {msg.DESCRIPTOR.full_name}"
+    for f, value in msg.ListFields():
+        if f.message_type is None:
+            continue
+        if f.message_type.GetOptions().map_entry:
+            items = [(f"{f.name}[{k!r}]", v) for k, v in value.items() if isinstance(v, message.Message)]
+        elif f.is_repeated:
+            items = [(f"{f.name}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            items = [(f.name, value)]
+        for name, sub in items:
+            found = unknown_field_details(sub, f"{path}.{name}" if path else name)
+            if found:
+                return found
+    return None
+
+
 def _guarded_deserializer(cls: type[message.Message]):
     def deserialize(data: bytes):
         try:
-            return cls.FromString(data)
+            msg = cls.FromString(data)
         except message.DecodeError as exc:
             return InvalidRequest(undecodable_details(cls, data, exc))
+        unknown = unknown_field_details(msg)
+        return msg if unknown is None else InvalidRequest(unknown)
     return deserialize
 
 
@@ -201,17 +233,20 @@ def _guard_aio(behavior, request_streaming: bool):
 
 
 class InvalidRequestInterceptor(grpc.ServerInterceptor):
-    """For ``grpc.server``: undecodable requests end INVALID_ARGUMENT naming the field."""
+    """For ``grpc.server``: undecodable requests and unknown fields end INVALID_ARGUMENT naming the
+    field."""
 
     def intercept_service(self, continuation, handler_call_details):
         return _guard(continuation(handler_call_details), _guard_sync)
 
 
 class AioInvalidRequestInterceptor(grpc.aio.ServerInterceptor):
-    """For ``grpc.aio.server``: undecodable requests end INVALID_ARGUMENT naming the field."""
+    """For ``grpc.aio.server``: undecodable requests and unknown fields end INVALID_ARGUMENT naming
+    the field."""
 
     async def intercept_service(self, continuation, handler_call_details):
         return _guard(await continuation(handler_call_details), _guard_aio)
 
 
-__all__ = ["AioInvalidRequestInterceptor", "InvalidRequest", "InvalidRequestInterceptor", "undecodable_details"]
+__all__ = ["AioInvalidRequestInterceptor", "InvalidRequest", "InvalidRequestInterceptor", "undecodable_details",
+           "unknown_field_details"]

@@ -8,6 +8,11 @@ through the same validation and dispatcher. Bodies follow the OpenAI API referen
 shapes, and errors as ``{"error": {"message", "type", "param", "code"}}`` (HTTP 400 for bad input,
 naming the field). vLLM-style extras are accepted: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids``.
+
+Bodies are parsed strictly: a field of the wrong JSON type (``"max_tokens": "5"``, ``"stream": 1``)
+or one the models do not declare is a 400 naming it, never coerced or dropped; OpenAI fields the
+router cannot honour yet (a non-empty ``logit_bias``, ``best_of`` != 1, ``echo``, ``suffix``) are
+refused by name.
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Annotated, Any, AsyncIterator
+from typing import Annotated, AsyncIterator, Literal
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from protos import common_pb2, router_pb2
 from router_svc.dispatch import Dispatcher
@@ -35,15 +41,24 @@ from router_svc.validation import DEFAULT_MAX_TOKENS, prepare
 Int32 = Annotated[int, Field(ge=-2**31, le=2**31 - 1)]
 
 
+# strict: no coercion between JSON types; forbid: an unknown field is a 400 naming it.
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     model: str = ""
     max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
@@ -56,6 +71,9 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Int32] | None = None
     request_id: str | None = None
+    # OpenAI fields that are refused unless they ask for the default (see _sampling)
+    logit_bias: dict[str, float] | None = None
+    best_of: Int32 | None = None
 
 
 class CompletionRequest(_Common):
@@ -65,10 +83,16 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
 
 
 class ChatRequest(_Common):
@@ -81,6 +105,12 @@ class ChatRequest(_Common):
 def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
     if body.n != 1:
         raise RouterError.invalid("n", f"only n=1 is supported, got {body.n}")
+    if body.logit_bias:
+        raise RouterError.invalid("logit_bias", "is not supported yet; send none or {}")
+    if body.best_of is not None and body.best_of != 1:
+        raise RouterError.invalid("best_of", f"only best_of=1 is supported, got {body.best_of}")
+    if body.stream_options is not None and not body.stream:
+        raise RouterError.invalid("stream_options", "is only allowed with stream: true")
     if body.seed is not None and not (0 <= body.seed < 2**64):
         raise RouterError.invalid("seed", f"must be in [0, 2**64), got {body.seed}")
     s = common_pb2.SamplingParams(ignore_eos=body.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs)
@@ -128,15 +158,10 @@ def chat_to_proto(body: ChatRequest) -> router_pb2.GenerateRequest:
     req = router_pb2.GenerateRequest(request_id=body.request_id or f"chatcmpl-{uuid.uuid4().hex}", model=body.model,
                                      sampling=_sampling(body, body.logprobs, top))
     req.chat.SetInParent()
-    for i, m in enumerate(body.messages):
+    for m in body.messages:
         content = m.content or ""
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text":
-                    raise RouterError.invalid("messages", f"message {i}: only text content parts are supported")
-                parts.append(str(part.get("text", "")))
-            content = "".join(parts)
+        if isinstance(content, list):   # TextPart: only text parts parse
+            content = "".join(part.text for part in content)
         req.chat.messages.add(role=m.role, content=content)
     return req
 
@@ -213,6 +238,16 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
     async def _router_error(request: Request, exc: RouterError):
         return _error_response(exc)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        # FastAPI's own refusals (a body that is not UTF-8 JSON, an unknown route, a wrong method)
+        # get the OpenAI error body too, not {"detail": ...}
+        etype = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"body: {exc.detail}" if exc.status_code == 400 else str(exc.detail)
+        return JSONResponse({"error": {"message": message, "type": etype, "param": None,
+                                       "code": str(exc.status_code)}},
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
     @app.get("/health")
     async def health():
         ok = dispatcher.pool.healthy_count("prefill") > 0 and dispatcher.pool.healthy_count("decode") > 0
@@ -248,7 +283,7 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
             # Run to the first token before answering 200, so that failures before it (no worker,
             # both attempts failed, a worker's RESOURCE_EXHAUSTED) get their HTTP status and body.
             first = await anext(stream)
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(_stream(first, stream, rid, model, created, chat, lp, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, stream, rid, model, created, obj, chat, lp)

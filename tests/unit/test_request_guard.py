@@ -54,3 +54,26 @@ def test_malformed_bytes_name_the_type():
 def test_proto2_strings_are_not_validated():
     msg = descriptor_pb2.FileDescriptorProto(name=PLACEHOLDER)
     assert isinstance(parse(msg), descriptor_pb2.FileDescriptorProto)
+
+
+def _with_unknown(raw: bytes, number: int = 15) -> bytes:
+    return raw + bytes([number << 3]) + b"\x01"   # a varint field the type does not declare
+
+
+def test_unknown_field_names_the_number_and_type():
+    raw = _with_unknown(common_pb2.AbortRequest(request_id="r").SerializeToString())
+    assert _guarded_deserializer(common_pb2.AbortRequest)(raw) == InvalidRequest(
+        "unknown field number 15 in halfmoon.v1.AbortRequest")
+
+
+def test_unknown_field_in_a_nested_message_names_its_path():
+    sampling = _with_unknown(common_pb2.SamplingParams(max_tokens=2).SerializeToString())
+    raw = router_pb2.GenerateRequest(text="hi").SerializeToString() + b"\x32" + bytes([len(sampling)]) + sampling
+    assert _guarded_deserializer(router_pb2.GenerateRequest)(raw) == InvalidRequest(
+        "sampling: unknown field number 15 in halfmoon.v1.SamplingParams")
+    inner = _with_unknown(router_pb2.ChatMessage(role="user").SerializeToString(), 9)
+    msgs = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="user")]).SerializeToString()
+    msgs += b"\x0a" + bytes([len(inner)]) + inner
+    raw = b"\x2a" + bytes([len(msgs)]) + msgs   # chat (field 5): two messages, the second with field 9
+    assert _guarded_deserializer(router_pb2.GenerateRequest)(raw) == InvalidRequest(
+        "chat.messages[1]: unknown field number 9 in halfmoon.v1.ChatMessage")
