@@ -85,6 +85,10 @@ A component's Deployment. Arguments (dict):
 {{- $root := .root -}}
 {{- $v := .values -}}
 {{- $ctx := dict "root" $root "component" .component -}}
+{{- $secArgs := include "halfmoon.securityArgs" $ctx | fromJsonArray -}}
+{{- $secVols := include "halfmoon.securityVolumes" $ctx | fromJsonArray -}}
+{{- /* kubelet's gRPC probes cannot present a client certificate: under mTLS they connect by TCP */ -}}
+{{- $tcpProbes := $root.Values.security.tls.enabled -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -144,6 +148,9 @@ spec:
             {{- range .args }}
             - {{ . | quote }}
             {{- end }}
+            {{- range $secArgs }}
+            - {{ . | quote }}
+            {{- end }}
             {{- range $v.extraArgs }}
             - {{ . | quote }}
             {{- end }}
@@ -170,11 +177,15 @@ spec:
               protocol: TCP
             {{- end }}
           startupProbe:
+            {{- if $tcpProbes }}
+            tcpSocket: {port: {{ .grpcPort }}}
+            {{- else }}
             grpc: {port: {{ .grpcPort }}}
+            {{- end }}
             periodSeconds: {{ $root.Values.probes.startup.periodSeconds }}
             failureThreshold: {{ $root.Values.probes.startup.failureThreshold }}
           livenessProbe:
-            {{- if .livenessTcp }}
+            {{- if or .livenessTcp $tcpProbes }}
             tcpSocket: {port: {{ .grpcPort }}}
             {{- else }}
             grpc: {port: {{ .grpcPort }}}
@@ -182,7 +193,11 @@ spec:
             periodSeconds: {{ $root.Values.probes.liveness.periodSeconds }}
             failureThreshold: {{ $root.Values.probes.liveness.failureThreshold }}
           readinessProbe:
+            {{- if $tcpProbes }}
+            tcpSocket: {port: {{ .grpcPort }}}
+            {{- else }}
             grpc: {port: {{ .grpcPort }}}
+            {{- end }}
             periodSeconds: {{ $root.Values.probes.readiness.periodSeconds }}
             failureThreshold: {{ $root.Values.probes.readiness.failureThreshold }}
           resources:
@@ -198,6 +213,9 @@ spec:
             - {name: cache, mountPath: {{ $root.Values.cache.mountPath }}}
             - {name: tmp, mountPath: /tmp}
             - {name: shm, mountPath: /dev/shm}
+            {{- range $secVols }}
+            - {name: {{ .name }}, mountPath: {{ .path }}, readOnly: true}
+            {{- end }}
       volumes:
         - name: cache
           {{- include "halfmoon.cacheVolumeSource" $root | nindent 10 }}
@@ -207,6 +225,12 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $root.Values.shmSize }}
+        {{- range $secVols }}
+        - name: {{ .name }}
+          secret:
+            secretName: {{ .secret }}
+            defaultMode: 0400
+        {{- end }}
       {{- with $v.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
@@ -272,4 +296,64 @@ spec:
     scaleDown:
       stabilizationWindowSeconds: 300
 {{- end }}
+{{- end -}}
+
+{{/* Trust (values `security`): Secret names, the flags and the mounts of a component. */}}
+{{- define "halfmoon.apiKeysSecret" -}}
+{{- default (printf "%s-api-keys" (include "halfmoon.fullname" .)) .Values.security.apiKeys.existingSecret -}}
+{{- end -}}
+
+{{- define "halfmoon.clusterTokenSecret" -}}
+{{- default (printf "%s-cluster-token" (include "halfmoon.fullname" .)) .Values.security.clusterToken.existingSecret -}}
+{{- end -}}
+
+{{/* The TLS Secret of one component: (dict "root" $ "component" "decode"). */}}
+{{- define "halfmoon.tlsSecret" -}}
+{{- $tls := .root.Values.security.tls -}}
+{{- if eq $tls.source "existingSecrets" -}}
+{{- $name := get $tls.existingSecrets .component -}}
+{{- if not $name -}}{{- fail (printf "security.tls.existingSecrets.%s is required with source existingSecrets" .component) -}}{{- end -}}
+{{- $name -}}
+{{- else -}}
+{{- printf "%s-%s-tls" (include "halfmoon.fullname" .root) .component -}}
+{{- end -}}
+{{- end -}}
+
+{{/* DNS names a component's certificate holds (its Service, short and qualified). */}}
+{{- define "halfmoon.tlsDnsNames" -}}
+{{- $svc := printf "%s-%s" (include "halfmoon.fullname" .root) .component -}}
+{{- $ns := .root.Release.Namespace -}}
+{{- toJson (list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns)) -}}
+{{- end -}}
+
+{{/* Extra container args of a component for the enabled trust options (a JSON list). */}}
+{{- define "halfmoon.securityArgs" -}}
+{{- $s := .root.Values.security -}}
+{{- $args := list -}}
+{{- if and $s.apiKeys.enabled (eq .component "router") -}}
+{{- $args = concat $args (list "--api-key-file" (printf "/etc/halfmoon/api-keys/%s" $s.apiKeys.secretKey)) -}}
+{{- end -}}
+{{- if $s.clusterToken.enabled -}}
+{{- $args = concat $args (list "--cluster-token-file" (printf "/etc/halfmoon/cluster-token/%s" $s.clusterToken.secretKey)) -}}
+{{- end -}}
+{{- if $s.tls.enabled -}}
+{{- $args = concat $args (list "--tls-cert" "/etc/halfmoon/tls/tls.crt" "--tls-key" "/etc/halfmoon/tls/tls.key" "--tls-ca" "/etc/halfmoon/tls/ca.crt") -}}
+{{- end -}}
+{{- toJson $args -}}
+{{- end -}}
+
+{{/* Volumes (mounts: "mounts" true) of a component for the enabled trust options (a JSON list). */}}
+{{- define "halfmoon.securityVolumes" -}}
+{{- $s := .root.Values.security -}}
+{{- $out := list -}}
+{{- if and $s.apiKeys.enabled (eq .component "router") -}}
+{{- $out = append $out (dict "name" "api-keys" "path" "/etc/halfmoon/api-keys" "secret" (include "halfmoon.apiKeysSecret" .root)) -}}
+{{- end -}}
+{{- if $s.clusterToken.enabled -}}
+{{- $out = append $out (dict "name" "cluster-token" "path" "/etc/halfmoon/cluster-token" "secret" (include "halfmoon.clusterTokenSecret" .root)) -}}
+{{- end -}}
+{{- if $s.tls.enabled -}}
+{{- $out = append $out (dict "name" "tls" "path" "/etc/halfmoon/tls" "secret" (include "halfmoon.tlsSecret" .)) -}}
+{{- end -}}
+{{- toJson $out -}}
 {{- end -}}
