@@ -216,6 +216,7 @@ def test_http_routes_and_methods(stack):
                          ("DELETE", "/health"), ("GET", "/v1/nope"), ("POST", "/" + "x" * 5000)]:
         resp = httpx.request(method, base + path, timeout=10)
         assert resp.status_code in (404, 405), (method, path, resp.status_code, resp.text)
+        _assert_openai_error(resp, f"{method} {path}: {resp.text}")
 
 
 def _assert_alive(servers) -> None:
