@@ -22,7 +22,7 @@ from typing import Mapping
 import grpc
 
 from security.token_interceptor import TOKEN_METADATA_KEY, AioTokenInterceptor, TokenInterceptor
-from security.token_metadata import TokenClientInterceptor, aio_token_interceptors
+from security.call_metadata import MetadataClientInterceptor, aio_metadata_interceptors
 
 TOKEN_ENV = "HALFMOON_CLUSTER_TOKEN"
 MIN_TOKEN_CHARS = 16
@@ -169,12 +169,12 @@ class ClusterCredentials:
         creds = self.channel_credentials()
         ch = grpc.insecure_channel(address, options) if creds is None else \
             grpc.secure_channel(address, creds, options)
-        return grpc.intercept_channel(ch, TokenClientInterceptor(self.token)) if self.token else ch
+        return grpc.intercept_channel(ch, MetadataClientInterceptor(self.metadata())) if self.token else ch
 
     def aio_channel(self, address: str, options=None) -> grpc.aio.Channel:
         """A ``grpc.aio`` channel to a cluster service at ``host:port`` (inside an event loop)."""
         creds = self.channel_credentials()
-        interceptors = aio_token_interceptors(self.token) if self.token else None
+        interceptors = aio_metadata_interceptors(self.metadata()) if self.token else None
         if creds is None:
             return grpc.aio.insecure_channel(address, options, interceptors=interceptors)
         return grpc.aio.secure_channel(address, creds, options, interceptors=interceptors)
