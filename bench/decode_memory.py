@@ -30,7 +30,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-
 from bench import endpoints
 from bench.stats import distribution, itl_gaps
 from protos import common_pb2, decode_pb2_grpc
