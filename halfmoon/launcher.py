@@ -45,6 +45,7 @@ import grpc
 from engine.model_store import DEFAULT_MODEL
 from halfmoon.stack_credentials import AuthMode, StackCredentials, prepare
 from router_svc.policies import POLICY_NAMES
+from security import TOKEN_ENV
 
 _REGISTRY_RE = re.compile(r"registry listening grpc=(\S+) metrics=(\S+)")
 _WORKER_RE = re.compile(r"READY (\S+) grpc=(\S+)(?: metrics=(\S*))?")
@@ -87,6 +88,7 @@ class Proc:
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.extra_env)
+        env.pop(TOKEN_ENV, None)  # the launcher's credentials decide (halfmoon.stack_credentials), not ours
         with open(self.log, "wb") as out:
             self.popen = subprocess.Popen([sys.executable, "-m", "halfmoon", *self.argv], stdout=out,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

@@ -18,6 +18,7 @@ prints its token, for the clients on this machine (``halfmoon generate``, ``benc
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ def _write_private(path: Path, text: str) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=None)
 def router_takes(flag: str) -> bool:
     """Whether ``serve-router`` has ``flag`` (the router's API-key flags come with its own work)."""
     import argparse
