@@ -43,7 +43,7 @@ from pathlib import Path
 import grpc
 
 from engine.model_store import DEFAULT_MODEL
-from halfmoon.stack_credentials import AuthMode, StackCredentials, prepare
+from halfmoon.stack_credentials import AuthMode, StackCredentials, add_auth_arguments, auth_mode, describe, prepare
 from router_svc.policies import POLICY_NAMES
 from security import TOKEN_ENV
 
@@ -341,14 +341,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds for every process to be ready and the router to see all workers")
     p.add_argument("--stop-timeout", type=float, default=10.0,
                    help="seconds each group has after SIGTERM before SIGKILL")
-    auth = p.add_mutually_exclusive_group()
-    auth.add_argument("--tls", action="store_true",
-                      help="mTLS between every service (certificates from --tls-dir, else a dev CA made in "
-                           "the log dir) instead of the default ephemeral cluster token")
-    auth.add_argument("--no-auth", action="store_true",
-                      help="no cluster token, TLS or API key: any local process can join (trusted hosts only)")
-    p.add_argument("--tls-dir", default="", help="with --tls: the output of `halfmoon certs` (ca.pem, "
-                   "<process>.pem or <role>.pem, and their -key.pem)")
+    add_auth_arguments(p)
 
 
 def role_args(role: str, text: str) -> list[str]:
@@ -382,10 +375,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         for dev in spec.split(","):
             if not re.fullmatch(r"cpu|cuda(:\d+)?", dev.strip()):
                 raise SystemExit(f"up: {flag}: {dev.strip()!r} is not cpu, cuda or cuda:N")
-    if args.tls_dir and not args.tls:
-        raise SystemExit("up: --tls-dir needs --tls")
-    auth = AuthMode.TLS if args.tls else AuthMode.OPEN if args.no_auth else AuthMode.TOKEN
-    return StackConfig(auth=auth, tls_dir=args.tls_dir, model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
+    return StackConfig(auth=auth_mode(args), tls_dir=args.tls_dir, model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
                        host=args.host, prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                        page_size=args.page_size, kv_memory_mb=args.kv_memory_mb,
                        decode_kv_memory_mb=args.decode_kv_memory_mb, torch_threads=args.torch_threads,
@@ -405,13 +395,8 @@ def print_endpoints(ep: dict, out=sys.stdout) -> None:
     for role in ("prefill", "decode"):
         for w in ep[role]:
             print(f"  {w['worker_id']:<9} gRPC {w['grpc']}   metrics http://{w['metrics']}/metrics", file=out)
-    if ep.get("api_key"):
-        print(f"  API key   {ep['api_key']}   (HTTP Authorization: Bearer; gRPC metadata authorization)", file=out)
-    if ep.get("cluster_token"):
-        print(f"  cluster token {ep['cluster_token']}   (metadata x-halfmoon-cluster-token on worker/registry RPCs)",
-              file=out)
-    if ep.get("tls"):
-        print(f"  mTLS      CA {ep['tls']['ca']}   client cert {ep['tls']['cert']}", file=out)
+    for line in describe(ep):
+        print(line, file=out)
     print("ENDPOINTS " + json.dumps(ep), file=out, flush=True)
 
 

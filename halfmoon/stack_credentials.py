@@ -117,6 +117,38 @@ class StackCredentials:
         return out
 
 
+def add_auth_arguments(p) -> None:
+    """``up``'s credential flags (``--tls``, ``--no-auth``, ``--tls-dir``); read with :func:`auth_mode`."""
+    auth = p.add_mutually_exclusive_group()
+    auth.add_argument("--tls", action="store_true",
+                      help="mTLS between every service (certificates from --tls-dir, else a dev CA made in "
+                           "the log dir) instead of the default ephemeral cluster token")
+    auth.add_argument("--no-auth", action="store_true",
+                      help="no cluster token, TLS or API key: any local process can join (trusted hosts only)")
+    p.add_argument("--tls-dir", default="", help="with --tls: the output of `halfmoon certs` (ca.pem, "
+                   "<process>.pem or <role>.pem, and their -key.pem)")
+
+
+def auth_mode(args) -> AuthMode:
+    """The AuthMode of ``up``'s flags (raises SystemExit: --tls-dir without --tls)."""
+    if args.tls_dir and not args.tls:
+        raise SystemExit("up: --tls-dir needs --tls")
+    return AuthMode.TLS if args.tls else AuthMode.OPEN if args.no_auth else AuthMode.TOKEN
+
+
+def describe(ep: dict) -> list[str]:
+    """The credential lines of ``up``'s endpoints table."""
+    lines = []
+    if ep.get("api_key"):
+        lines.append(f"  API key   {ep['api_key']}   (HTTP Authorization: Bearer; gRPC metadata authorization)")
+    if ep.get("cluster_token"):
+        lines.append(f"  cluster token {ep['cluster_token']}   (metadata x-halfmoon-cluster-token on worker and "
+                     f"registry RPCs)")
+    if ep.get("tls"):
+        lines.append(f"  mTLS      CA {ep['tls']['ca']}   client cert {ep['tls']['cert']}")
+    return lines
+
+
 def prepare(mode: AuthMode, run_dir: Path, names: list[str], *, tls_dir: str = "",
             hosts: tuple[str, ...] = ()) -> StackCredentials:
     """Make the credentials of one ``up`` in ``run_dir`` for processes ``names``.
@@ -146,4 +178,4 @@ def prepare(mode: AuthMode, run_dir: Path, names: list[str], *, tls_dir: str = "
     return creds
 
 
-__all__ = ["AuthMode", "StackCredentials", "prepare", "router_takes"]
+__all__ = ["AuthMode", "StackCredentials", "add_auth_arguments", "auth_mode", "describe", "prepare", "router_takes"]
