@@ -30,8 +30,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
-
+from bench import endpoints
 from bench.stats import distribution, itl_gaps
 from protos import common_pb2, decode_pb2_grpc
 
@@ -90,8 +89,8 @@ def _stream(client, kind: str, payload) -> dict:
     return {"times": times, "e2e": time.monotonic() - t0}
 
 
-def _poll_batch(address: str, stop: threading.Event, out: list) -> None:
-    with grpc.insecure_channel(address) as ch:
+def _poll_batch(address: str, stop: threading.Event, out: list, credentials) -> None:
+    with credentials.channel(address) as ch:
         stub = decode_pb2_grpc.DecodeStub(ch)
         t0 = time.monotonic()
         while not stop.is_set():
@@ -110,11 +109,13 @@ def _run(stack: UpStack, kind: str, payloads: list) -> dict:
     import openai
 
     ep = stack.endpoints
-    client = openai.OpenAI(base_url=f"http://{ep['router']['http']}/v1", api_key="x", timeout=600, max_retries=0)
+    client = openai.OpenAI(base_url=f"http://{ep['router']['http']}/v1", api_key=ep.get("api_key") or "x",
+                           timeout=600, max_retries=0)
     dec = ep["decode"][0]
     retr0 = _metric(dec["metrics"], "halfmoon_decode_retractions_total")
     stop, batch = threading.Event(), []
-    poller = threading.Thread(target=_poll_batch, args=(dec["grpc"], stop, batch), daemon=True)
+    poller = threading.Thread(target=_poll_batch, args=(dec["grpc"], stop, batch, endpoints.cluster_credentials(ep)),
+                              daemon=True)
     poller.start()
     t0 = time.monotonic()
     with ThreadPoolExecutor(len(payloads)) as ex:

@@ -7,7 +7,8 @@ one of those keys), the OpenAI URL the first of ``openai_url`` / ``openai`` / ``
 or inside the ``router`` entry), and metrics
 URLs are every string found under a key containing ``metrics`` anywhere in the document (of the
 prefill and decode workers; the router's and registry's are kept too — their counters never
-overlap the KV metrics, see :mod:`telemetry.metrics`).
+overlap the KV metrics, see :mod:`telemetry.metrics`). ``api_key`` is the router API key ``halfmoon up``
+printed (top-level ``api_key``), if any.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Endpoints:
     router: str | None = None
     openai_url: str | None = None
     metrics_urls: list[str] = dataclasses.field(default_factory=list)
+    api_key: str | None = dataclasses.field(default=None, repr=False)
 
 
 def _first(doc: Any, keys: tuple[str, ...]) -> str | None:
@@ -79,7 +81,24 @@ def parse(doc: dict[str, Any]) -> Endpoints:
     for u in _metrics(doc):
         if u not in seen:
             seen.append(u)
-    return Endpoints(router=_first(doc, _ROUTER_KEYS), openai_url=openai_url, metrics_urls=seen)
+    key = doc.get("api_key") if isinstance(doc, dict) else None
+    return Endpoints(router=_first(doc, _ROUTER_KEYS), openai_url=openai_url, metrics_urls=seen,
+                     api_key=key if isinstance(key, str) and key else None)
+
+
+def cluster_credentials(doc: dict[str, Any]):
+    """The :class:`security.ClusterCredentials` for calling the workers and registry of the stack
+    ``doc`` describes (its ``cluster_token``, or its client cert in ``tls``; none: an open cluster).
+
+    Raises:
+        security.CredentialsError: the ``tls`` files are missing or unreadable.
+    """
+    from security import ClusterCredentials
+
+    tls = doc.get("tls") if isinstance(doc.get("tls"), dict) else {}
+    token = doc.get("cluster_token") if isinstance(doc.get("cluster_token"), str) else None
+    return ClusterCredentials.load(token=token or None, tls_cert=tls.get("cert"), tls_key=tls.get("key"),
+                                   tls_ca=tls.get("ca"), env={})
 
 
 def load(path: str | Path) -> Endpoints:

@@ -14,6 +14,7 @@ import grpc
 
 from bench.request import BenchRequest, RequestRecord
 from protos import common_pb2, router_pb2, router_pb2_grpc
+from security.call_metadata import aio_bearer_channel
 
 _MAX_MSG = 64 * 1024 * 1024
 
@@ -43,12 +44,15 @@ class RouterTarget:
         model: model name to ask for ("" = the router's served model).
         send_text: send ``prompt`` text even when ``prompt_ids`` are known (the router tokenizes).
         timeout_s: per-request deadline (seconds).
+        api_key: the router's API key, sent as ``authorization: Bearer`` (None: none).
     """
 
     name = "router"
 
-    def __init__(self, address: str, model: str = "", send_text: bool = False, timeout_s: float = 600.0):
+    def __init__(self, address: str, model: str = "", send_text: bool = False, timeout_s: float = 600.0,
+                 api_key: str | None = None):
         self.address = address
+        self.api_key = api_key
         self.model = model
         self.send_text = send_text
         self.timeout_s = timeout_s
@@ -57,7 +61,7 @@ class RouterTarget:
 
     async def start(self) -> None:
         opts = [("grpc.max_receive_message_length", _MAX_MSG), ("grpc.max_send_message_length", _MAX_MSG)]
-        self._channel = grpc.aio.insecure_channel(self.address, options=opts)
+        self._channel = aio_bearer_channel(self.address, self.api_key, options=opts)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     async def close(self) -> None:

@@ -25,7 +25,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router", help=f"router gRPC host:port (default from --endpoints, else {DEFAULT_ROUTER})")
     g.add_argument("--openai-url", help="OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
     g.add_argument("--model", default="", help="model name to request (default: the server's first)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"))
+    g.add_argument("--api-key", default=None,
+                   help="router API key, both targets (default: $HALFMOON_API_KEY, $OPENAI_API_KEY, the "
+                        "api_key in --endpoints, else none)")
     g.add_argument("--extra-body", type=json.loads, default=None,
                    help='extra JSON fields for every OpenAI request, e.g. \'{"top_k": 1}\'')
     g.add_argument("--send-text", action="store_true",
@@ -51,7 +53,8 @@ def resolve(args: argparse.Namespace) -> endpoints.Endpoints:
         metrics = []
     if args.target == "openai" and not openai_url:
         raise SystemExit("--target openai needs --openai-url (or an --endpoints file with one)")
-    return endpoints.Endpoints(router=router, openai_url=openai_url, metrics_urls=metrics)
+    api_key = args.api_key or os.environ.get("HALFMOON_API_KEY") or os.environ.get("OPENAI_API_KEY") or ep.api_key
+    return endpoints.Endpoints(router=router, openai_url=openai_url, metrics_urls=metrics, api_key=api_key)
 
 
 def make_target(args: argparse.Namespace, ep: endpoints.Endpoints):
@@ -61,12 +64,12 @@ def make_target(args: argparse.Namespace, ep: endpoints.Endpoints):
         from bench.router_target import RouterTarget
 
         return RouterTarget(ep.router, model=args.model, send_text=args.send_text,
-                            timeout_s=args.request_timeout)
+                            timeout_s=args.request_timeout, api_key=ep.api_key)
     try:
         from bench.openai_target import OpenAITarget
     except ImportError as e:
         raise SystemExit(f"--target openai needs the openai package: pip install 'halfmoon[bench]' ({e})") from e
-    return OpenAITarget(ep.openai_url, model=args.model, api_key=args.api_key,
+    return OpenAITarget(ep.openai_url, model=args.model, api_key=ep.api_key or "EMPTY",
                         extra_body=args.extra_body, timeout_s=args.request_timeout)
 
 

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     overlap = args.overlap_schedule == "on" or (args.overlap_schedule == "auto" and runner.device.type == "cuda")
     logging.getLogger("halfmoon.decode").info("overlap schedule: %s (--overlap-schedule %s)",
                                               "on" if overlap else "off", args.overlap_schedule)
-    peers = PrefillPeers(lambda msg: holder["s"].post(msg), registry=w.registry)
+    peers = PrefillPeers(lambda msg: holder["s"].post(msg), registry=w.registry, credentials=w.credentials)
     sched = DecodeScheduler(runner, transfer, peers, segment_name=transfer.name,
                             eos_token_ids=runner.model_config.eos_token_ids, tokenizer=tok,
                             max_running=args.max_running_requests,

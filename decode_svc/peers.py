@@ -25,6 +25,7 @@ import grpc
 from decode_svc.jobs import DestState
 from decode_svc.messages import DestResult, PeerGone, ProcessId
 from protos import common_pb2, prefill_pb2_grpc
+from security import OPEN, ClusterCredentials
 
 log = logging.getLogger("halfmoon.decode")
 
@@ -55,10 +56,12 @@ class PrefillPeers:
         post: callable(msg) delivering a ``DestResult`` or ``PeerGone`` to the scheduler.
         registry: ``transfer_svc.registry_client.RegistryClient`` (liveness), or None.
         rpc_timeout_s: deadline of SetDestination / Abort calls.
+        credentials: this worker's cluster credentials, for its channels to P.
     """
 
-    def __init__(self, post, registry=None, rpc_timeout_s: float = 10.0):
+    def __init__(self, post, registry=None, rpc_timeout_s: float = 10.0, credentials: ClusterCredentials = OPEN):
         self._post = post
+        self._credentials = credentials
         self.registry = registry
         self.rpc_timeout_s = rpc_timeout_s
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="decode-net")
@@ -71,7 +74,7 @@ class PrefillPeers:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                ch = grpc.insecure_channel(address)
+                ch = self._credentials.channel(address)
                 self._channels[address] = ch
                 stub = self._stubs[address] = prefill_pb2_grpc.PrefillStub(ch)
             return stub

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-prefill": ("prefill_svc.main", "run a prefill worker"),
     "serve-decode": ("decode_svc.main", "run a decode worker"),
     "serve-router": ("router_svc.main", "run the router (gRPC + OpenAI HTTP)"),
+    "certs": ("halfmoon.certs_cmd", "create a dev CA and per-service certificates for mTLS (up --tls)"),
     "up": ("halfmoon.launcher", "start registry, prefill, decode and router on this machine"),
     "demo": ("halfmoon.demo", "start the stack, stream a few prompts, summarize, shut down"),
     "bench": ("bench.cli", "serving benchmarks (bench serve)"),

@@ -22,6 +22,7 @@ import grpc
 
 from halfmoon.launcher import Stack, StackError, add_arguments as add_up_arguments, config_from_args
 from protos import common_pb2, router_pb2, router_pb2_grpc
+from security.call_metadata import bearer_channel
 
 SHARED_SYSTEM = (
     "You are a patient teacher of astronomy for curious children. Keep every answer to two or three short "
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             ep = stack.endpoints
             print(f"up: router gRPC {ep['router']['grpc']}, OpenAI HTTP http://{ep['router']['http']}/v1 "
                   f"(logs in {ep['log_dir']})", flush=True)
-            with grpc.insecure_channel(ep["router"]["grpc"]) as ch:
+            with bearer_channel(ep["router"]["grpc"], ep.get("api_key")) as ch:
                 stub = router_pb2_grpc.RouterStub(ch)
                 results = [stream_one(stub, label, spec, args.max_tokens) for label, spec in PROMPTS]
             print_summary(results)

@@ -17,6 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--offline", action="store_true", help="run the co-located engine in-process")
     where.add_argument("--router", default=None, help="router gRPC address HOST:PORT (remote mode)")
+    parser.add_argument("--endpoints", default=None,
+                        help="endpoints JSON of `halfmoon up` (default $HALFMOON_ENDPOINTS): the router "
+                             "address and API key")
+    parser.add_argument("--api-key", default=None,
+                        help="router API key (default: $HALFMOON_API_KEY, else the one in --endpoints)")
     s = parser.add_argument_group("sampling")
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     s.add_argument("--max-tokens", type=int, default=128)
@@ -75,7 +80,17 @@ def run_remote(args: argparse.Namespace) -> int:
 
     from protos import common_pb2, router_pb2, router_pb2_grpc
 
-    address = args.router or os.environ.get("HALFMOON_ROUTER", "127.0.0.1:50050")
+    from bench import endpoints as endpoints_file
+    from security.call_metadata import bearer_channel
+
+    ep_path = args.endpoints or os.environ.get("HALFMOON_ENDPOINTS")
+    try:
+        ep = endpoints_file.load(ep_path) if ep_path else endpoints_file.Endpoints()
+    except (OSError, ValueError) as e:
+        print(f"error: --endpoints: {e}", file=sys.stderr)
+        return 2
+    address = args.router or ep.router or os.environ.get("HALFMOON_ROUTER", "127.0.0.1:50050")
+    api_key = args.api_key or os.environ.get("HALFMOON_API_KEY") or ep.api_key
     try:  # an int past the proto field (int32 max_tokens/top_k, uint64 seed) is bad input, not a traceback
         sp = common_pb2.SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -94,7 +109,7 @@ def run_remote(args: argparse.Namespace) -> int:
         req.text = args.prompt
     last = None
     try:
-        with grpc.insecure_channel(address) as ch:
+        with bearer_channel(address, api_key) as ch:
             for resp in router_pb2_grpc.RouterStub(ch).Generate(req, timeout=600):
                 sys.stdout.write(resp.text)
                 sys.stdout.flush()

@@ -20,6 +20,8 @@ Devices: ``--prefill-device`` / ``--decode-device`` take one device or a comma l
 workers of that role take in turn (``--decode 2 --decode-device cuda:1,cuda:2``); on CUDA the
 workers pick flashinfer attention and CUDA graphs themselves, and their transfer engines let UCX
 choose its transports (cuda_ipc between GPUs of one host).
+Credentials (``halfmoon.stack_credentials``): an ephemeral cluster token and API key by default,
+mTLS with ``--tls``, none with ``--no-auth``; the ENDPOINTS JSON carries what clients need.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from pathlib import Path
 import grpc
 
 from engine.model_store import DEFAULT_MODEL
+from halfmoon.stack_credentials import AuthMode, StackCredentials, add_auth_arguments, auth_mode, describe, prepare
 from router_svc.policies import POLICY_NAMES
+from security import TOKEN_ENV
 
 _REGISTRY_RE = re.compile(r"registry listening grpc=(\S+) metrics=(\S+)")
 _WORKER_RE = re.compile(r"READY (\S+) grpc=(\S+)(?: metrics=(\S*))?")
@@ -84,6 +88,7 @@ class Proc:
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.extra_env)
+        env.pop(TOKEN_ENV, None)  # the launcher's credentials decide (halfmoon.stack_credentials), not ours
         with open(self.log, "wb") as out:
             self.popen = subprocess.Popen([sys.executable, "-m", "halfmoon", *self.argv], stdout=out,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -138,6 +143,8 @@ class StackConfig:
     worker_args: list[str] = field(default_factory=list)
     role_args: dict = field(default_factory=dict)  # "prefill" | "decode" -> extra argv of that role's workers
     router_args: list[str] = field(default_factory=list)
+    auth: AuthMode = AuthMode.TOKEN  # token | tls | open (halfmoon.stack_credentials)
+    tls_dir: str = ""               # tls: certificates from `halfmoon certs` (default: made in log_dir)
 
     def device_of(self, role: str, idx: int) -> str:
         """Device of worker ``idx`` of ``role`` ("prefill" | "decode")."""
@@ -162,6 +169,7 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[Proc] = []
         self.endpoints: dict = {}
+        self.credentials: StackCredentials | None = None
 
     def _port(self, offset: int) -> int:
         return 0 if self.cfg.base_port == 0 else self.cfg.base_port + offset
@@ -194,8 +202,16 @@ class Stack:
         deadline = time.monotonic() + c.ready_timeout
         n = c.prefill + c.decode
         threads = c.torch_threads or threads_per_worker(n)
+        names = ["registry", "router"] + [f"prefill-{i}" for i in range(c.prefill)] + \
+            [f"decode-{i}" for i in range(c.decode)]
+        try:
+            creds = self.credentials = prepare(AuthMode(c.auth), self.log_dir, names, tls_dir=c.tls_dir,
+                                               hosts=(c.host,))
+        except ValueError as e:
+            raise StackError(str(e)) from None
         reg = Proc("registry", ["serve-transfer", "--host", c.host, "--port", str(self._port(3)),
-                                "--metrics-port", str(self._port(4))], self.log_dir / "registry.log",
+                                "--metrics-port", str(self._port(4)), *creds.process_args("registry")],
+                   self.log_dir / "registry.log",
                    _REGISTRY_RE, extra_env={"OMP_NUM_THREADS": "1"})
         self.procs.append(reg)
         reg.start()
@@ -212,7 +228,7 @@ class Stack:
                     "--torch-threads", str(threads),
                     "--kv-memory-mb", str(c.decode_kv_memory_mb if role == "decode" else c.kv_memory_mb),
                     "--device", c.device_of(role, idx), "--dtype", c.dtype, "--load-format", c.load_format,
-                    *c.worker_args, *c.role_args.get(role, [])]
+                    *creds.process_args(wid), *c.worker_args, *c.role_args.get(role, [])]
             p = Proc(wid, argv, self.log_dir / f"{wid}.log", _WORKER_RE,
                      extra_env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
             self.procs.append(p)
@@ -222,7 +238,7 @@ class Stack:
                                  "--http-port", str(self._port(1)), "--metrics-port", str(self._port(2)),
                                  "--registry", registry, "--prefill-policy", c.prefill_policy,
                                  "--decode-policy", c.decode_policy, "--page-size", str(c.page_size),
-                                 *c.router_args],
+                                 *creds.process_args("router"), *creds.router_args(), *c.router_args],
                       self.log_dir / "router.log", _ROUTER_RE, extra_env={"OMP_NUM_THREADS": "1"})
         self.procs.append(router)
         router.start()
@@ -232,7 +248,7 @@ class Stack:
             "router": {"grpc": rg, "http": rh, "metrics": rm, "pid": router.popen.pid},
             "registry": {"grpc": registry, "metrics": f"{c.host}:{reg.match.group(2)}", "pid": reg.popen.pid},
             "prefill": [], "decode": [], "model": c.model, "log_dir": str(self.log_dir),
-            "torch_threads": threads,
+            "torch_threads": threads, **creds.endpoints_fields(),
         }
         for role, p in workers:
             wid, addr, metrics = p.match.groups()
@@ -248,7 +264,8 @@ class Stack:
             stub = router_pb2_grpc.RouterStub(ch)
             while True:
                 try:
-                    ws = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers
+                    ws = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5,
+                                          metadata=self.credentials.router_metadata()).workers
                     if sum(1 for w in ws if w.healthy) >= n:
                         return
                 except grpc.RpcError:
@@ -324,6 +341,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds for every process to be ready and the router to see all workers")
     p.add_argument("--stop-timeout", type=float, default=10.0,
                    help="seconds each group has after SIGTERM before SIGKILL")
+    add_auth_arguments(p)
 
 
 def role_args(role: str, text: str) -> list[str]:
@@ -357,7 +375,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         for dev in spec.split(","):
             if not re.fullmatch(r"cpu|cuda(:\d+)?", dev.strip()):
                 raise SystemExit(f"up: {flag}: {dev.strip()!r} is not cpu, cuda or cuda:N")
-    return StackConfig(model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
+    return StackConfig(auth=auth_mode(args), tls_dir=args.tls_dir, model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
                        host=args.host, prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                        page_size=args.page_size, kv_memory_mb=args.kv_memory_mb,
                        decode_kv_memory_mb=args.decode_kv_memory_mb, torch_threads=args.torch_threads,
@@ -377,6 +395,8 @@ def print_endpoints(ep: dict, out=sys.stdout) -> None:
     for role in ("prefill", "decode"):
         for w in ep[role]:
             print(f"  {w['worker_id']:<9} gRPC {w['grpc']}   metrics http://{w['metrics']}/metrics", file=out)
+    for line in describe(ep):
+        print(line, file=out)
     print("ENDPOINTS " + json.dumps(ep), file=out, flush=True)
 
 

@@ -25,6 +25,8 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.device import check_device, device_spec
 from protos.request_guard import InvalidRequestInterceptor
+from security import ClusterCredentials, CredentialsError
+from security.flags import add_cluster_auth_args
 from telemetry import metrics as M
 
 log = logging.getLogger("halfmoon.worker")
@@ -95,6 +97,19 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                         help="weights and KV dtype (P and D must match; pass bfloat16 on GPUs, float32 is "
                              "the CPU reference)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
+    add_cluster_auth_args(parser)
+
+
+def load_credentials(args) -> ClusterCredentials:
+    """This process's cluster credentials from its flags and env.
+
+    Raises:
+        SystemExit: one ``error:`` line naming the flag and file (no traceback).
+    """
+    try:
+        return ClusterCredentials.from_args(args)
+    except CredentialsError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def ucx_transports(spec: str, device: str) -> str | None:
@@ -141,6 +156,7 @@ class Worker:
                             format=f"%(asctime)s %(levelname)s {args.worker_id} %(name)s: %(message)s")
         os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: thread dump
+        self.credentials = load_credentials(args)
         check_device(args.device)
         bind_cuda_device(args.device)  # before the model loads and CUDA graphs are captured
         self.args = args
@@ -162,7 +178,7 @@ class Worker:
 
         a = self.args
         self.registry = RegistryClient(a.registry, worker_id=self.worker_id, role=self.role,
-                                       model=a.model, ttl_s=a.lease_ttl)
+                                       model=a.model, ttl_s=a.lease_ttl, credentials=self.credentials)
         loc = "cpu" if runner.device.type == "cpu" else f"cuda:{runner.device.index or 0}"
         # GPU workers poll UCX without sleeping while a batch is in flight: +12-15 % GPU->GPU KV
         # throughput on an H200 pair (bench/results/GPU_NOTES.md run 7); CPU workers on small shared
@@ -183,7 +199,8 @@ class Worker:
         a = self.args
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                              thread_name_prefix=f"{self.role}-grpc"),
-                                  interceptors=[InvalidRequestInterceptor()])
+                                  interceptors=[*self.credentials.server_interceptors(),
+                                                InvalidRequestInterceptor()])
         add_service(self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -192,7 +209,8 @@ class Worker:
         reflection.enable_server_reflection(
             (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
-        port = self.server.add_insecure_port(f"{a.host}:{a.port}")
+        port = self.credentials.add_port(self.server, f"{a.host}:{a.port}")
+        log.info("cluster identity: %s", self.credentials.mode)
         if port == 0:
             raise OSError(f"cannot bind {a.host}:{a.port}")
         self.server.start()

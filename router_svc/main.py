@@ -29,6 +29,8 @@ from engine.model_store import DEFAULT_MODEL, resolve_model
 from telemetry.metrics import start_metrics_server, stop_metrics_servers
 from protos import router_pb2, router_pb2_grpc
 from protos.request_guard import AioInvalidRequestInterceptor
+from security import ClusterCredentials, CredentialsError
+from security.flags import add_cluster_auth_args
 from router_svc.dispatch import Dispatcher
 from router_svc.grpc_service import RouterServicer, SendAfterDeadlineFilter
 from router_svc.openai_api import build_app
@@ -57,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-token-timeout", type=float, default=120.0, help="seconds to wait for the first token")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline (seconds) when the client sets none")
     p.add_argument("--log-level", default="INFO")
+    # for the router's channels to workers and registry; its own face to clients is API-key based
+    add_cluster_auth_args(p)
 
 
 def _split(s: str) -> list[str]:
@@ -64,9 +68,15 @@ def _split(s: str) -> list[str]:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    try:
+        credentials = ClusterCredentials.from_args(args)
+    except CredentialsError as e:
+        raise SystemExit(f"serve-router: {e}") from None
+    log.info("cluster identity toward workers and registry: %s", credentials.mode)
     model_dir = resolve_model(args.model)
     tok = RouterTokenizer(args.model if not os.path.isdir(args.model) else model_dir.name, model_dir)
-    pool = WorkerPool(model_names=(tok.card.id, str(model_dir)), health_interval=args.health_interval)
+    pool = WorkerPool(model_names=(tok.card.id, str(model_dir)), health_interval=args.health_interval,
+                      credentials=credentials)
     dispatcher = Dispatcher(tok, pool, make_policy(args.prefill_policy, args.page_size),
                             make_policy(args.decode_policy, args.page_size), max_attempts=args.max_attempts,
                             first_token_timeout=args.first_token_timeout, request_timeout=args.request_timeout)

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import common_pb2, registry_pb2, registry_pb2_grpc
+from security import OPEN, ClusterCredentials
 from router_svc.policies import NoWorkerError, Policy
 from router_svc.worker import DECODE, PREFILL, Worker, kv_compatible, kv_mismatch, kv_signature
 
@@ -41,11 +42,14 @@ class WorkerPool:
         health_interval: seconds between health checks / load polls of one worker.
         check_timeout: seconds one check may take before it counts as timed out.
         max_timeouts: timed-out checks in a row that make a worker unhealthy.
+        credentials: the router's cluster credentials, for its channels to workers and registry.
     """
 
     def __init__(self, model_names: tuple[str, ...] = (), health_interval: float = 0.5,
-                 check_timeout: float = 5.0, max_timeouts: int = 3) -> None:
+                 check_timeout: float = 5.0, max_timeouts: int = 3,
+                 credentials: ClusterCredentials = OPEN) -> None:
         self.model_names = tuple(model_names)
+        self.credentials = credentials
         self.health_interval = health_interval
         self.check_timeout = check_timeout
         self.max_timeouts = max_timeouts
@@ -64,7 +68,7 @@ class WorkerPool:
         if old is not None:
             self.remove(worker_id, "re-registered")
         w = Worker(worker_id=worker_id, role=role, address=address)
-        w.connect()
+        w.connect(self.credentials)
         self.workers[worker_id] = w
         self._tasks[worker_id] = asyncio.get_running_loop().create_task(self._poll(w))
         log.info("worker added: %s %s %s", role, worker_id, address)
@@ -222,7 +226,7 @@ class WorkerPool:
     async def _watch(self, address: str) -> None:
         backoff = 0.2
         while True:
-            channel = grpc.aio.insecure_channel(address)
+            channel = self.credentials.aio_channel(address)
             try:
                 stub = registry_pb2_grpc.RegistryStub(channel)
                 seen: set[str] = set()

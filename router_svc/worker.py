@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from security import OPEN, ClusterCredentials
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -64,10 +65,11 @@ class Worker:
         self.load_time = time.monotonic()
         self.dispatched_since_report = 0
 
-    def connect(self) -> None:
-        """Open the aio channel and stub (call inside the router's event loop)."""
+    def connect(self, credentials: ClusterCredentials = OPEN) -> None:
+        """Open the aio channel (with this router's cluster credentials) and stub (call inside the
+        router's event loop)."""
         if self.channel is None:
-            self.channel = grpc.aio.insecure_channel(self.address, options=[
+            self.channel = credentials.aio_channel(self.address, options=[
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.enable_retries", 0),
                 ("grpc.keepalive_time_ms", 10_000),

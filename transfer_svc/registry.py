@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from telemetry import metrics
 from protos import registry_pb2, registry_pb2_grpc
 from protos.request_guard import InvalidRequestInterceptor
+from security import OPEN, ClusterCredentials
 from transfer_svc.digest import descriptor_digest
 
 log = logging.getLogger(__name__)
@@ -212,13 +213,15 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
 
 def serve(host: str = "127.0.0.1", port: int = 0, *, default_ttl_s: int = 10,
-          max_workers: int = 256) -> tuple[grpc.Server, RegistryServicer, int]:
+          max_workers: int = 256, credentials: ClusterCredentials = OPEN,
+          ) -> tuple[grpc.Server, RegistryServicer, int]:
     """Start the registry gRPC server (with grpc.health.v1 and reflection) -> (server, servicer,
     bound port). Each open WatchWorkers stream holds one of `max_workers` threads (every
-    RegistryClient keeps one), so size it above the number of workers + routers."""
+    RegistryClient keeps one), so size it above the number of workers + routers. `credentials`:
+    mTLS and/or the cluster token every caller must present (records carry rkeys: docs/security.md)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="registry"),
-                         interceptors=[InvalidRequestInterceptor()])
+                         interceptors=[*credentials.server_interceptors(), InvalidRequestInterceptor()])
     servicer = RegistryServicer(default_ttl_s=default_ttl_s)
     registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
@@ -226,7 +229,7 @@ def serve(host: str = "127.0.0.1", port: int = 0, *, default_ttl_s: int = 10,
     names = (registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = credentials.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     server.start()

@@ -24,6 +24,7 @@ import time
 import grpc
 
 from protos import registry_pb2, registry_pb2_grpc
+from security import OPEN, ClusterCredentials
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,13 @@ class RegistryClient:
         ttl_s: lease TTL asked for, seconds (0 = the registry's default).
         rpc_timeout_s: deadline of each unary RPC, seconds.
         watch: keep a WatchWorkers stream to invalidate cached segments on UPDATED/REMOVED.
+        credentials: this process's cluster credentials (mTLS and/or the cluster token).
     """
 
     def __init__(self, address: str, *, worker_id: str = "", role: str | int = "decode",
                  grpc_address: str = "", metrics_address: str = "", model: str = "",
-                 ttl_s: int = 10, rpc_timeout_s: float = 2.0, watch: bool = True):
+                 ttl_s: int = 10, rpc_timeout_s: float = 2.0, watch: bool = True,
+                 credentials: ClusterCredentials = OPEN):
         if isinstance(role, str):
             if role not in _ROLES:
                 raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
@@ -62,7 +65,7 @@ class RegistryClient:
         self.granted_ttl_s = ttl_s or 10
         self._lease_valid_until = float("-inf")
         self.registrations = 0  # how many times this client (re-)registered
-        self._channel = grpc.insecure_channel(address)
+        self._channel = credentials.channel(address)
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self._lock = threading.Lock()
         self._cache: dict[str, registry_pb2.WorkerRecord] = {}

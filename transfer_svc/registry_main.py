@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 
+from security import ClusterCredentials, CredentialsError
+from security.flags import add_cluster_auth_args
 from telemetry import metrics
 
 
@@ -21,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-workers", type=int, default=256,
                         help="gRPC threads; each open WatchWorkers stream holds one")
     parser.add_argument("--log-level", default="INFO")
+    add_cluster_auth_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,8 +34,14 @@ def run(args: argparse.Namespace) -> int:
     if args.ttl <= 0:
         print("--ttl must be > 0 seconds", file=sys.stderr)
         return 2
+    try:
+        credentials = ClusterCredentials.from_args(args)
+    except CredentialsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     server, servicer, port = serve(args.host, args.port, default_ttl_s=args.ttl,
-                                   max_workers=args.max_workers)
+                                   max_workers=args.max_workers, credentials=credentials)
+    logging.getLogger("halfmoon.registry").info("cluster identity: %s", credentials.mode)
     metrics_port = None
     if args.metrics_port >= 0:
         metrics_port = metrics.start_metrics_server(args.metrics_port, role="registry",

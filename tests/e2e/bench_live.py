@@ -54,4 +54,6 @@ def assert_idle() -> None:
     no lock, room or slot held)."""
     from tests.integration.conftest import assert_idle_accounting
 
-    assert_idle_accounting(workers())
+    from bench.endpoints import cluster_credentials
+
+    assert_idle_accounting(workers(), credentials=cluster_credentials(_state["endpoints"]))

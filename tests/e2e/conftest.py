@@ -61,7 +61,9 @@ def tok():
 def router_stub(stack: Stack):
     from protos import router_pb2_grpc
 
-    ch = grpc.insecure_channel(stack.endpoints["router"]["grpc"])
+    from security.call_metadata import bearer_channel
+
+    ch = bearer_channel(stack.endpoints["router"]["grpc"], stack.endpoints.get("api_key"))
     return ch, router_pb2_grpc.RouterStub(ch)
 
 
@@ -78,7 +80,8 @@ def client(stack):
     """The real ``openai`` client on the module's ``stack`` router (no client-side retries)."""
     import openai
 
-    return openai.OpenAI(base_url=f"http://{stack.endpoints['router']['http']}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"http://{stack.endpoints['router']['http']}/v1", api_key=stack.endpoints.get("api_key") or "unused",
+                         max_retries=0)
 
 
 def worker_targets(stack: Stack, alive_only: bool = True) -> list[tuple[str, str]]:

@@ -405,5 +405,5 @@ def test_stop_string_with_dummy_weights(client, served_model, cases, tok):
 def test_kv_accounting_idle_after_everything(stack):
     from tests.e2e.conftest import worker_targets
 
-    acc = assert_idle_accounting(worker_targets(stack))
+    acc = assert_idle_accounting(worker_targets(stack), credentials=stack.credentials.client())
     assert acc["decode"].evictable_pages > 0  # D's radix cache kept the prompts (what made "shared" cheap)

@@ -56,11 +56,13 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
         ep = json.loads(ep_file.read_text())
         pids = [ep["router"]["pid"], ep["registry"]["pid"]] + [w["pid"] for r in ("prefill", "decode") for w in ep[r]]
         assert all(_alive(p) for p in pids)
-        client = openai.OpenAI(base_url=f"http://{ep['router']['http']}/v1", api_key="unused", max_retries=0)
+        assert ep["auth"] == "token" and len(ep["cluster_token"]) >= 32   # made fresh by this `up`
+        client = openai.OpenAI(base_url=f"http://{ep['router']['http']}/v1", api_key=ep.get("api_key") or "unused",
+                               max_retries=0)
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
                                            max_tokens=6, temperature=0)
         assert r.choices[0].message.content.strip() and r.usage.completion_tokens > 0
-        gen = subprocess.run([sys.executable, "-m", "halfmoon", "generate", "--router", ep["router"]["grpc"],
+        gen = subprocess.run([sys.executable, "-m", "halfmoon", "generate", "--endpoints", str(ep_file),
                               "--max-tokens", "6", "The capital of France is"], cwd=ROOT, env=_env(),
                              capture_output=True, text=True, timeout=120)
         assert gen.returncode == 0, gen.stderr

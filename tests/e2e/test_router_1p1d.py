@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from protos import common_pb2, router_pb2
-from tests.e2e.conftest import MAX_TOKENS, greedy, reference_ids, stack_fixture, worker_targets
+from tests.e2e.conftest import MAX_TOKENS, greedy, reference_ids, router_stub, stack_fixture, worker_targets
 from tests.integration.conftest import MODEL, assert_idle_accounting
 
 # Aborted requests ask for 300-400 tokens: tens of seconds of decoding on 2 CPU cores. Idle within
@@ -116,7 +116,7 @@ def test_client_cancel_frees_both_legs(stack, stub, cases):
     got = [next(call) for _ in range(2)]
     assert any(r.token_ids for r in got)
     call.cancel()
-    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S)
+    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S, credentials=stack.credentials.client())
 
 
 def test_router_abort_by_request_id(stack, stub, cases):
@@ -130,7 +130,7 @@ def test_router_abort_by_request_id(stack, stub, cases):
     assert rest and rest[-1].finish_reason == "abort"
     assert rest[-1].usage.completion_tokens < 400
     assert not stub.Abort(common_pb2.AbortRequest(request_id="abort-me")).found
-    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S)
+    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S, credentials=stack.credentials.client())
 
 
 def test_http_disconnect_frees_both_legs(stack, cases):
@@ -143,7 +143,7 @@ def test_http_disconnect_frees_both_legs(stack, cases):
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
     # closed mid-stream: the router aborts P and D
-    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S)
+    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S, credentials=stack.credentials.client())
 
 
 def test_http_non_stream_client_gone_frees_both_legs(stack, cases):
@@ -152,7 +152,7 @@ def test_http_non_stream_client_gone_frees_both_legs(stack, cases):
     body = {"model": MODEL, "prompt": inp["text"], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json=body, timeout=httpx.Timeout(10, read=1.5))   # gives up, closes the connection
-    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S)
+    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S, credentials=stack.credentials.client())
 
 
 def test_deadline_aborts_both_legs(stack, stub, cases):
@@ -160,7 +160,7 @@ def test_deadline_aborts_both_legs(stack, stub, cases):
     with pytest.raises(grpc.RpcError) as ei:
         list(stub.Generate(router_pb2.GenerateRequest(sampling=greedy(300, ignore_eos=True), **inp), timeout=1.5))
     assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S)
+    assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S, credentials=stack.credentials.client())
 
 
 def test_bad_input_is_invalid_argument_naming_the_field(stub, client):
@@ -193,7 +193,7 @@ def test_request_that_never_fits_the_kv_pool_is_a_400_without_retry(stack, stub,
     retries = sum(float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("halfmoon_router_retries_total"))
     assert retries == 0
-    assert_idle_accounting(worker_targets(stack))
+    assert_idle_accounting(worker_targets(stack), credentials=stack.credentials.client())
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0).choices[0].text
 
 
@@ -201,7 +201,7 @@ def test_health_and_reflection_served(stack):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-    with grpc.insecure_channel(stack.endpoints["router"]["grpc"]) as ch:
+    with router_stub(stack)[0] as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="halfmoon.v1.Router"))
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
         db = ProtoReflectionDescriptorDatabase(ch)

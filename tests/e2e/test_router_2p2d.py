@@ -57,7 +57,7 @@ def test_greedy_equal_on_both_pairs(stack, stub, tok):
     assert [ids for ids, _ in outs] == refs
     assert {last.decode_worker for _, last in outs} == {"decode-0", "decode-1"}
     assert {last.prefill_worker for _, last in outs} == {"prefill-0", "prefill-1"}
-    assert_idle_accounting(worker_targets(stack))
+    assert_idle_accounting(worker_targets(stack), credentials=stack.credentials.client())
 
 
 def test_cache_aware_follows_shared_prefix(stack, stub, tok):
@@ -110,7 +110,7 @@ def test_decode_worker_killed(stack, stub, tok):
     for i in range(4):
         ids, last = run(stub, tok.encode(f"After the storm, number {i}, the sea was"))
         assert len(ids) == MAX_TOKENS and last.decode_worker == survivor
-    assert_idle_accounting(worker_targets(stack))
+    assert_idle_accounting(worker_targets(stack), credentials=stack.credentials.client())
 
 
 def test_prefill_worker_killed_before_first_token(stack, stub, tok):
@@ -132,10 +132,11 @@ def test_prefill_worker_killed_before_first_token(stack, stub, tok):
     # the surviving prefill is idle; the decode worker keeps the destination pages of the first attempt
     # quarantined (the frozen P might have been writing them) until its fence timeout, so on D only the
     # accounting identity and zero locks are asserted here
-    assert_idle_accounting([("prefill", w["grpc"]) for w in stack.endpoints["prefill"] if w["worker_id"] == survivor])
+    assert_idle_accounting([("prefill", w["grpc"]) for w in stack.endpoints["prefill"] if w["worker_id"] == survivor],
+                           credentials=stack.credentials.client())
     for role, addr in worker_targets(stack):
         if role == "decode":
-            a = get_load(addr, "decode").accounting
+            a = get_load(addr, "decode", stack.credentials.client()).accounting
             assert a.free_pages + a.evictable_pages + a.locked_pages + a.owned_pages == a.total_pages, a
             assert a.locked_pages == 0 and a.min_lock_ref == 0 and a.held_req_slots == 0, a
 

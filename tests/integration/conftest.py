@@ -230,15 +230,18 @@ def start_stack(log_dir: Path, *, page_size: int = 16, prefill_pages: int | None
             proc.stop()
 
 
-def get_load(address: str, service: str):
+def get_load(address: str, service: str, credentials=None):
+    """``GetLoad`` of the worker at ``address`` (``credentials``: a security.ClusterCredentials, for a
+    stack with a cluster token or mTLS; None: an open one)."""
     from protos import decode_pb2_grpc, prefill_pb2_grpc, common_pb2
+    from security import OPEN
 
-    with grpc.insecure_channel(address) as ch:
+    with (credentials or OPEN).channel(address) as ch:
         stub = (prefill_pb2_grpc.PrefillStub if service == "prefill" else decode_pb2_grpc.DecodeStub)(ch)
         return stub.GetLoad(common_pb2.GetLoadRequest(), timeout=30)
 
 
-def assert_idle_accounting(stack_or_addrs, timeout: float = 30.0) -> dict:
+def assert_idle_accounting(stack_or_addrs, timeout: float = 30.0, credentials=None) -> dict:
     """Wait until P and D are idle, then assert free + evictable + locked + owned == pool, no lock,
     room or request slot held. Returns {"prefill": KVAccounting, "decode": KVAccounting}."""
     if isinstance(stack_or_addrs, Stack):
@@ -251,7 +254,7 @@ def assert_idle_accounting(stack_or_addrs, timeout: float = 30.0) -> dict:
     for service, addr in targets:
         deadline = time.monotonic() + timeout
         while True:
-            a = get_load(addr, service).accounting
+            a = get_load(addr, service, credentials).accounting
             idle = a.held_rooms == 0 and a.held_req_slots == 0 and a.owned_pages == 0 and a.locked_pages == 0
             if idle or time.monotonic() > deadline:
                 break

@@ -51,3 +51,19 @@ def test_halfmoon_up_layout(tmp_path):
     assert ep.router == "127.0.0.1:43509"
     assert ep.openai_url == "http://127.0.0.1:44893/v1"
     assert ep.metrics_urls == [f"http://127.0.0.1:{p}/metrics" for p in (45039, 42741, 32927, 43179)]
+
+
+def test_api_key_and_cluster_credentials_from_up_json(tmp_path):
+    from security import OPEN
+
+    doc = {"router": {"grpc": "127.0.0.1:5000"}, "api_key": "hm-key", "auth": "token", "cluster_token": "c" * 32}
+    ep = endpoints.parse(doc)
+    assert ep.api_key == "hm-key" and "hm-key" not in repr(ep)
+    assert endpoints.cluster_credentials(doc).token == "c" * 32
+    assert endpoints.parse({"router": "127.0.0.1:5000"}).api_key is None
+    assert endpoints.cluster_credentials({"auth": "open"}) == OPEN
+    from security.certs import write_dev_certs
+
+    c = write_dev_certs(tmp_path, ["client"])["client"]
+    creds = endpoints.cluster_credentials({"tls": {"ca": str(c.ca), "cert": str(c.cert), "key": str(c.key)}})
+    assert creds.mode == "mtls"

@@ -1,7 +1,7 @@
 """Import layers (docs/architecture.md, "Layers"): every import of every module of every package,
 at module level or inside a function, read with ``ast`` and checked against the rules.
 
-  ground      protos/, telemetry/            import no project package but protos
+  ground      protos/, telemetry/, security/ import no project package but protos
   library     engine/                        imports ground only: no service, pd_common, bench, halfmoon
   PD/transfer transfer_svc/                  ground + engine
               pd_common/                     ground + engine + transfer_svc (worker start-up opens the
@@ -25,12 +25,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-GROUND = {"protos", "telemetry"}
+GROUND = {"protos", "telemetry", "security"}
 SERVICE_PACKAGES = {"pd_common", "transfer_svc", "prefill_svc", "decode_svc", "router_svc"}
 # package -> the other project packages it may import (itself is always allowed)
 ALLOWED = {
     "protos": set(),
     "telemetry": {"protos"},
+    "security": {"protos"},
     "engine": GROUND,
     "transfer_svc": GROUND | {"engine"},
     "pd_common": GROUND | {"engine", "transfer_svc"},
