@@ -27,11 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class RegistryProc:
-    def __init__(self, port: int = 0, ttl: int = 2):
+    def __init__(self, port: int = 0, ttl: int = 2, extra: tuple[str, ...] = ()):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "halfmoon", "serve-transfer", "--port", str(port),
-             "--metrics-port", "0", "--ttl", str(ttl), "--log-level", "WARNING"],
+             "--metrics-port", "0", "--ttl", str(ttl), "--log-level", "WARNING", *extra],
             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         r, _, _ = select.select([self.proc.stdout], [], [], 30)
         assert r, "registry did not start"
