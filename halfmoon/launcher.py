@@ -145,6 +145,7 @@ class StackConfig:
     router_args: list[str] = field(default_factory=list)
     auth: AuthMode = AuthMode.TOKEN  # token | tls | open (halfmoon.stack_credentials)
     tls_dir: str = ""               # tls: certificates from `halfmoon certs` (default: made in log_dir)
+    registry: str = "memory"        # "etcd": the registry keeps records in a local etcd started here
 
     def device_of(self, role: str, idx: int) -> str:
         """Device of worker ``idx`` of ``role`` ("prefill" | "decode")."""
@@ -170,6 +171,7 @@ class Stack:
         self.procs: list[Proc] = []
         self.endpoints: dict = {}
         self.credentials: StackCredentials | None = None
+        self.etcd = None  # LocalEtcd with registry="etcd"
 
     def _port(self, offset: int) -> int:
         return 0 if self.cfg.base_port == 0 else self.cfg.base_port + offset
@@ -209,8 +211,13 @@ class Stack:
                                                hosts=(c.host,))
         except ValueError as e:
             raise StackError(str(e)) from None
+        backend = []
+        if c.registry == "etcd":
+            from halfmoon.etcd_local import LocalEtcd
+            self.etcd = LocalEtcd(self.log_dir / "etcd-data", log=self.log_dir / "etcd.log")
+            backend = ["--registry-backend", "etcd", "--etcd-endpoints", self.etcd.endpoint]
         reg = Proc("registry", ["serve-transfer", "--host", c.host, "--port", str(self._port(3)),
-                                "--metrics-port", str(self._port(4)), *creds.process_args("registry")],
+                                "--metrics-port", str(self._port(4)), *backend, *creds.process_args("registry")],
                    self.log_dir / "registry.log",
                    _REGISTRY_RE, extra_env={"OMP_NUM_THREADS": "1"})
         self.procs.append(reg)
@@ -300,6 +307,8 @@ class Stack:
                     p.signal(signal.SIGKILL)
                     p.popen.wait()
                 p.signal(signal.SIGKILL)  # anything its process group still holds
+        if self.etcd is not None:
+            self.etcd.stop()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -335,6 +344,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-args", default="", help="extra flags of every decode worker, one string "
                    "(e.g. \"--overlap-schedule off\"; see halfmoon serve-decode --help). P and D must "
                    "agree on --kv-layout: pass it in both --prefill-args and --decode-args")
+    p.add_argument("--registry", default="memory", choices=["memory", "etcd"],
+                   help="etcd: start a local etcd (Debian etcd-server) on loopback and keep the "
+                        "registry's records there")
     p.add_argument("--log-dir", default="", help="child logs (default: a new temp dir)")
     p.add_argument("--endpoints-file", default="", help="also write the endpoints JSON here")
     p.add_argument("--ready-timeout", type=float, default=300.0,
@@ -381,7 +393,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                        decode_kv_memory_mb=args.decode_kv_memory_mb, torch_threads=args.torch_threads,
                        log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
                        prefill_device=args.prefill_device, decode_device=args.decode_device, dtype=args.dtype,
-                       load_format=args.load_format,
+                       load_format=args.load_format, registry=args.registry,
                        role_args={"prefill": role_args("prefill", args.prefill_args),
                                   "decode": role_args("decode", args.decode_args)})
 

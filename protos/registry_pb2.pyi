@@ -93,20 +93,24 @@ class WorkerRecord(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model: _Optional[str] = ..., segment: _Optional[_Union[SegmentDescriptor, _Mapping]] = ...) -> None: ...
 
 class RegisterSegmentRequest(_message.Message):
-    __slots__ = ("worker", "ttl_seconds")
+    __slots__ = ("worker", "ttl_seconds", "lease_secret")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerRecord
     ttl_seconds: int
-    def __init__(self, worker: _Optional[_Union[WorkerRecord, _Mapping]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+    lease_secret: str
+    def __init__(self, worker: _Optional[_Union[WorkerRecord, _Mapping]] = ..., ttl_seconds: _Optional[int] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class RegisterSegmentResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl_seconds")
+    __slots__ = ("lease_id", "ttl_seconds", "lease_secret")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     ttl_seconds: int
-    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+    lease_secret: str
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class GetSegmentRequest(_message.Message):
     __slots__ = ("name",)
@@ -121,12 +125,14 @@ class GetSegmentResponse(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerRecord, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "lease_id")
+    __slots__ = ("worker_id", "lease_id", "lease_secret")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     lease_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    lease_secret: str
+    def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("ttl_seconds",)
@@ -135,12 +141,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, ttl_seconds: _Optional[int] = ...) -> None: ...
 
 class UnregisterRequest(_message.Message):
-    __slots__ = ("worker_id", "lease_id")
+    __slots__ = ("worker_id", "lease_id", "lease_secret")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     lease_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    lease_secret: str
+    def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class UnregisterResponse(_message.Message):
     __slots__ = ("found",)
@@ -173,3 +181,13 @@ class WorkerEvent(_message.Message):
     worker: WorkerRecord
     reason: str
     def __init__(self, kind: _Optional[_Union[WorkerEvent.Kind, str]] = ..., worker: _Optional[_Union[WorkerRecord, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StoredWorker(_message.Message):
+    __slots__ = ("worker", "secret_sha256", "ttl_seconds")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    SECRET_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerRecord
+    secret_sha256: bytes
+    ttl_seconds: int
+    def __init__(self, worker: _Optional[_Union[WorkerRecord, _Mapping]] = ..., secret_sha256: _Optional[bytes] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...

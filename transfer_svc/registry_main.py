@@ -22,8 +22,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default lease TTL in seconds (registrations may ask for another)")
     parser.add_argument("--max-workers", type=int, default=256,
                         help="gRPC threads; each open WatchWorkers stream holds one")
+    parser.add_argument("--registry-backend", choices=["memory", "etcd"], default="memory",
+                        help="where records live: in this process (lost on restart) or in etcd "
+                             "(shared by every registry replica, kept across restarts)")
+    parser.add_argument("--etcd-endpoints", default="",
+                        help="etcd host:port[,host:port...] (with --registry-backend etcd)")
+    parser.add_argument("--etcd-prefix", default="/halfmoon/default/",
+                        help="key prefix of this cluster's records in etcd (one per cluster)")
+    parser.add_argument("--etcd-ca", default="", help="CA file: talk https to etcd")
+    parser.add_argument("--etcd-cert", default="", help="client certificate file for etcd (with --etcd-key)")
+    parser.add_argument("--etcd-key", default="", help="client key file for etcd")
     parser.add_argument("--log-level", default="INFO")
     add_cluster_auth_args(parser)
+
+
+def _backend(args: argparse.Namespace):
+    """-> (backend or None for the default, error message or "")."""
+    etcd_flags = {"--etcd-endpoints": args.etcd_endpoints, "--etcd-ca": args.etcd_ca,
+                  "--etcd-cert": args.etcd_cert, "--etcd-key": args.etcd_key,
+                  "--etcd-prefix": args.etcd_prefix != "/halfmoon/default/"}
+    if args.registry_backend == "memory":
+        given = [f for f, v in etcd_flags.items() if v]
+        return None, (f"{given[0]} needs --registry-backend etcd" if given else "")
+    if not args.etcd_endpoints:
+        return None, "--registry-backend etcd needs --etcd-endpoints host:port[,...]"
+    if bool(args.etcd_cert) != bool(args.etcd_key):
+        return None, "--etcd-cert and --etcd-key go together"
+    if args.etcd_cert and not args.etcd_ca:
+        return None, "--etcd-cert needs --etcd-ca (client certificates are for https)"
+    from transfer_svc.registry_backend import BackendUnavailable
+    from transfer_svc.registry_etcd import EtcdBackend
+    try:
+        return EtcdBackend([e.strip() for e in args.etcd_endpoints.split(",") if e.strip()],
+                           args.etcd_prefix, ca_cert=args.etcd_ca or None,
+                           cert=args.etcd_cert or None, key=args.etcd_key or None), ""
+    except ValueError as e:
+        return None, f"--etcd-endpoints / --etcd-prefix: {e}"
+    except BackendUnavailable as e:
+        return None, f"--etcd-endpoints {args.etcd_endpoints}: {e}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,8 +75,12 @@ def run(args: argparse.Namespace) -> int:
     except CredentialsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    backend, err = _backend(args)
+    if err:
+        print(err, file=sys.stderr)
+        return 2
     server, servicer, port = serve(args.host, args.port, default_ttl_s=args.ttl,
-                                   max_workers=args.max_workers, credentials=credentials)
+                                   max_workers=args.max_workers, backend=backend, credentials=credentials)
     logging.getLogger("halfmoon.registry").info("cluster identity: %s", credentials.mode)
     metrics_port = None
     if args.metrics_port >= 0:

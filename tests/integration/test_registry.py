@@ -27,11 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class RegistryProc:
-    def __init__(self, port: int = 0, ttl: int = 2):
+    def __init__(self, port: int = 0, ttl: int = 2, extra: tuple[str, ...] = ()):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "halfmoon", "serve-transfer", "--port", str(port),
-             "--metrics-port", "0", "--ttl", str(ttl), "--log-level", "WARNING"],
+             "--metrics-port", "0", "--ttl", str(ttl), "--log-level", "WARNING", *extra],
             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         r, _, _ = select.select([self.proc.stdout], [], [], 30)
         assert r, "registry did not start"
@@ -142,19 +142,21 @@ def test_register_lookup_watch_update_unregister(registry):
 
     # restart of d0: a new incarnation replaces the record -> UPDATED
     lease2 = stub.RegisterSegment(registry_pb2.RegisterSegmentRequest(
-        worker=_record("d0", incarnation="inc-2")), timeout=5)
+        worker=_record("d0", incarnation="inc-2"), lease_secret=lease.lease_secret), timeout=5)
+    assert lease2.lease_secret == lease.lease_secret  # the owner keeps its secret
     ev = _next(events)
     assert ev.kind == registry_pb2.WorkerEvent.UPDATED
     assert ev.worker.segment.incarnation == "inc-2"
     # the old lease no longer heartbeats or unregisters the new record
+    secret = lease.lease_secret
     with pytest.raises(grpc.RpcError) as e:
-        stub.Heartbeat(registry_pb2.HeartbeatRequest(worker_id="d0", lease_id=lease.lease_id),
-                       timeout=5)
+        stub.Heartbeat(registry_pb2.HeartbeatRequest(worker_id="d0", lease_id=lease.lease_id,
+                                                     lease_secret=secret), timeout=5)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     assert not stub.Unregister(registry_pb2.UnregisterRequest(
-        worker_id="d0", lease_id=lease.lease_id), timeout=5).found
+        worker_id="d0", lease_id=lease.lease_id, lease_secret=secret), timeout=5).found
     assert stub.Heartbeat(registry_pb2.HeartbeatRequest(
-        worker_id="d0", lease_id=lease2.lease_id), timeout=5).ttl_seconds == 2
+        worker_id="d0", lease_id=lease2.lease_id, lease_secret=secret), timeout=5).ttl_seconds == 2
 
     text = registry.metrics()
     assert _metric(text, "halfmoon_registry_workers", '{role="decode"}') == 1
@@ -163,7 +165,7 @@ def test_register_lookup_watch_update_unregister(registry):
     assert _metric(text, "halfmoon_registry_lookups_total", '{result="not_found"}') == 1
 
     assert stub.Unregister(registry_pb2.UnregisterRequest(
-        worker_id="d0", lease_id=lease2.lease_id), timeout=5).found
+        worker_id="d0", lease_id=lease2.lease_id, lease_secret=secret), timeout=5).found
     ev = _next(events)
     assert ev.kind == registry_pb2.WorkerEvent.REMOVED and ev.reason == "unregistered"
     assert _metric(registry.metrics(), "halfmoon_registry_workers", '{role="decode"}') == 0
@@ -190,8 +192,8 @@ def test_lease_expiry_removes_worker(registry):
         stub.GetSegment(registry_pb2.GetSegmentRequest(name="d0"), timeout=5)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as e:
-        stub.Heartbeat(registry_pb2.HeartbeatRequest(worker_id="d0", lease_id=lease.lease_id),
-                       timeout=5)
+        stub.Heartbeat(registry_pb2.HeartbeatRequest(worker_id="d0", lease_id=lease.lease_id,
+                                                     lease_secret=lease.lease_secret), timeout=5)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     assert _metric(registry.metrics(), "halfmoon_registry_expired_leases_total") == 1
     call.cancel()
