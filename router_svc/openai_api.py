@@ -7,7 +7,9 @@ through the same validation and dispatcher. Bodies follow the OpenAI API referen
 ``top_logprobs``/``text_offset``) and chat (``content: [{token, logprob, bytes, top_logprobs}]``)
 shapes, and errors as ``{"error": {"message", "type", "param", "code"}}`` (HTTP 400 for bad input,
 naming the field). vLLM-style extras are accepted: ``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``stop_token_ids``.
+``ignore_eos``, ``stop_token_ids``. API keys and the body size limit are checked before this app
+(:class:`~router_svc.http_guard.FrontDoorMiddleware`, which sets ``request.state.tenant``); rate
+limits and the admission queue answer 429 with ``Retry-After`` before validation.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from protos import common_pb2, router_pb2
+from router_svc.api_keys import ANONYMOUS
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import RouterError
 from router_svc.validation import DEFAULT_MAX_TOKENS, prepare
@@ -188,7 +191,7 @@ class _Logprobs:
 
 
 def _error_response(exc: RouterError) -> JSONResponse:
-    return JSONResponse(exc.openai_body(), status_code=exc.http_status)
+    return JSONResponse(exc.openai_body(), status_code=exc.http_status, headers=exc.http_headers)
 
 
 def _sse(obj: dict | str) -> bytes:
@@ -233,17 +236,20 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
 
     async def _serve(request: Request, req: router_pb2.GenerateRequest, body: _Common, chat: bool):
         arrival = time.monotonic()
+        tenant = getattr(request.state, "tenant", ANONYMOUS)
+        ticket = dispatcher.admit(tenant, arrival)
         try:
-            prep = prepare(req, dispatcher.tok, default_max_tokens=None if chat else DEFAULT_MAX_TOKENS)
+            prep = prepare(req, dispatcher.tok, default_max_tokens=None if chat else DEFAULT_MAX_TOKENS, tenant=tenant)
         except RouterError:
-            dispatcher.count("invalid", arrival)
+            ticket.close()
+            dispatcher.count("invalid", arrival, tenant)
             raise
         model = card.id
         created = int(time.time())
         rid = prep.request_id
         obj = "chat.completion" if chat else "text_completion"
         lp = _Logprobs(dispatcher, chat)
-        stream = dispatcher.generate(prep, arrival=arrival)
+        stream = dispatcher.generate(prep, arrival=arrival, ticket=ticket)
         if body.stream:
             # Run to the first token before answering 200, so that failures before it (no worker,
             # both attempts failed, a worker's RESOURCE_EXHAUSTED) get their HTTP status and body.
