@@ -3,18 +3,16 @@ in the test process (tests/e2e/stub_workers.py; the workers are not what is test
 and missing keys get 401 / UNAUTHENTICATED (the real ``openai`` client, raw HTTP, gRPC), good keys
 work, ``/health`` and ``/metrics`` stay open, a tenant cannot abort or squat another tenant's request
 id, oversize bodies get 413 / RESOURCE_EXHAUSTED, the rate limit and the admission queue answer 429
-with ``Retry-After`` / RESOURCE_EXHAUSTED, a bad key file stops the start, and no key reaches a log
-or the metrics.
+with ``Retry-After`` / RESOURCE_EXHAUSTED, and no key reaches a log or the metrics.
 
-Three routers, one module-scoped each: ``door`` (keys, size limit), ``limited`` (rate limit 1/s),
-``queued`` (open, admission queue of 2, a decode stub that holds the first token)."""
+Two routers, module-scoped: ``door`` (keys, size limit) and ``limited`` (rate limit, admission
+queue of 2, a decode stub that holds the first token). The open router is what every other router
+test runs; a bad key file is tests/unit/test_router_front_door.py."""
 
 from __future__ import annotations
 
 import http.client
 import json
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -27,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from tests.e2e.stub_workers import stub_workers
-from tests.integration.conftest import ROOT, assert_clean_log, model_available, start_router, wait_router_sees
+from tests.integration.conftest import assert_clean_log, model_available, start_router, wait_router_sees
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="model not pulled (halfmoon models pull)")
 
@@ -44,9 +42,17 @@ class Router:
         self.proc, self.grpc, self.http, self.metrics = proc, m.group(1), m.group(2), m.group(3)
         self.channel = grpc.insecure_channel(self.grpc)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.clients: list[openai.OpenAI] = []
 
     def openai(self, key: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://{self.http}/v1", api_key=key, max_retries=0)
+        self.clients.append(openai.OpenAI(base_url=f"http://{self.http}/v1", api_key=key, max_retries=0))
+        return self.clients[-1]
+
+    def stop(self) -> None:
+        for c in self.clients:   # keep-alive connections would hold up the router's HTTP shutdown
+            c.close()
+        self.channel.close()
+        self.proc.stop()
 
     def post(self, path: str, body: bytes, headers: dict) -> tuple[int, dict, dict]:
         """Raw HTTP POST: (status, JSON body, headers)."""
@@ -97,8 +103,7 @@ def door(tmp_path_factory, seen):
         r = _start(tmp, addrs, ["--api-key-file", str(key_file), "--api-key", DEFAULT_KEY,
                                 "--max-request-bytes", str(MAX_BYTES)], api_key=DEFAULT_KEY)
         yield r
-        r.channel.close()
-        r.proc.stop()
+        r.stop()
 
 
 def test_http_missing_or_unknown_key_is_401_openai_shaped(door):
@@ -255,18 +260,22 @@ def test_no_key_in_the_log(door):
     assert_clean_log(door.proc)
 
 
+LIMITED = {**KEYS, "carol": "sk-carol-1111", "dave": "sk-dave-2222", "erin": "sk-erin-3333"}
+
+
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
+    """Rate limit 0.5 request/s per tenant (burst 1), admission queue of 2; the stub D holds the
+    first token 1 s, so requests stay queued that long."""
     tmp = tmp_path_factory.mktemp("limited")
     key_file = tmp / "keys"
-    key_file.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()))
+    key_file.write_text("".join(f"{t} {k}\n" for t, k in LIMITED.items()))
     key_file.chmod(0o600)
-    with stub_workers(0.05) as addrs:
-        r = _start(tmp, addrs, ["--api-key-file", str(key_file), "--rate-limit-rps", "1", "--rate-limit-burst", "1"],
-                   api_key=KEYS["bob"])
+    with stub_workers(0.05, first_delay_s=1.0) as addrs:
+        r = _start(tmp, addrs, ["--api-key-file", str(key_file), "--rate-limit-rps", "0.5", "--rate-limit-burst", "1",
+                                "--max-queued-requests", "2"], api_key=KEYS["bob"])
         yield r
-        r.channel.close()
-        r.proc.stop()
+        r.stop()
 
 
 def test_rate_limit_is_429_with_retry_after_per_tenant(limited):
@@ -281,52 +290,28 @@ def test_rate_limit_is_429_with_retry_after_per_tenant(limited):
         _generate(limited.stub, KEYS["alice"])
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert dict(exc.value.trailing_metadata())["retry-after"] in ("1", "2")
-    assert _generate(limited.stub, KEYS["bob"])[-1].finish_reason == "length"    # bob has his own bucket
     time.sleep(retry_after)
     assert client.completions.create(model="", prompt="Hello", max_tokens=2).choices[0].finish_reason == "length"
+    assert _generate(limited.stub, KEYS["bob"])[-1].finish_reason == "length"    # bob has his own bucket
     text = limited.metrics_text()
     assert 'halfmoon_router_requests_total{policy="cache_aware/cache_aware",status="rate_limited",tenant="alice"} 2.0' \
         in text
-    assert_clean_log(limited.proc)
 
 
-@pytest.fixture(scope="module")
-def queued(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("queued")
-    with stub_workers(0.05, first_delay_s=1.5) as addrs:
-        r = _start(tmp, addrs, ["--max-queued-requests", "2"])
-        yield r
-        r.channel.close()
-        r.proc.stop()
-
-
-def test_admission_queue_bound_is_429_and_resource_exhausted(queued):
-    waiting = [_stream_in_thread(queued.stub, None, f"q{i}") for i in range(2)]
-    time.sleep(0.5)   # both admitted, waiting for their first token (the stub D holds it 1.5 s)
-    assert "halfmoon_router_queued_requests 2.0" in queued.metrics_text()
+def test_admission_queue_bound_is_429_and_resource_exhausted(limited):
+    waiting = [_stream_in_thread(limited.stub, LIMITED[t], f"q-{t}") for t in ("carol", "dave")]
+    time.sleep(0.4)   # both admitted, waiting for their first token
+    assert "halfmoon_router_queued_requests 2.0" in limited.metrics_text()
     with pytest.raises(openai.RateLimitError) as info:
-        queued.openai("unused").completions.create(model="", prompt="Hello", max_tokens=2)
+        limited.openai(LIMITED["erin"]).completions.create(model="", prompt="Hello", max_tokens=2)
     assert info.value.code == "queue_full" and info.value.response.headers["retry-after"] == "1"
     with pytest.raises(grpc.RpcError) as exc:
-        _generate(queued.stub, None)
+        _generate(limited.stub, LIMITED["erin"])
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queued-requests" in exc.value.details()
     for _, results, t in waiting:
         t.join(30)
         assert results[-1].finish_reason == "length", results
-    assert _generate(queued.stub, None)[-1].finish_reason == "length"   # room again: open router, no key
-    assert "halfmoon_router_queued_requests 0.0" in queued.metrics_text()
-    log = queued.proc.log()
-    assert log.count("no API key configured: the router is open") == 1
-    assert_clean_log(queued.proc)
-
-
-def test_bad_key_file_stops_the_start_naming_the_line(tmp_path):
-    bad = tmp_path / "bad.keys"
-    bad.write_text("alice sk-good-key-1\n# comment\nbob sk-secret-two extra-field\n")
-    proc = subprocess.run([sys.executable, "-m", "halfmoon", "serve-router", "--api-key-file", str(bad),
-                           "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--port", "0", "--http-port", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert f"{bad}:3: expected '<tenant> <key>', got 3 field(s)" in proc.stderr
-    assert "sk-secret-two" not in proc.stdout + proc.stderr and "sk-good-key-1" not in proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
+    # room again, and the refusals took none of erin's rate-limit tokens
+    assert _generate(limited.stub, LIMITED["erin"])[-1].finish_reason == "length"
+    assert "halfmoon_router_queued_requests 0.0" in limited.metrics_text()
+    assert_clean_log(limited.proc)
