@@ -16,4 +16,9 @@ Files (one concept each):
   worker.py         Worker: router-side state of one worker (stub, health, load)
   policies.py       round_robin, least_load, power_of_two, cache_aware (one per role)
   prefix_index.py   page-aligned prefix index per worker for cache_aware (engine.kvcache.page_hash keys)
+  front_door.py     the front door's flags: API keys, rate limit, admission queue, request size
+  api_keys.py       ApiKeys: key file / --api-key / $HALFMOON_API_KEY -> tenants (digests, constant time)
+  grpc_auth.py      aio interceptor: Router RPCs need 'authorization: Bearer <key>'; current_tenant()
+  http_guard.py     ASGI middleware: /v1/* need 'Authorization: Bearer <key>' (401); body size (413)
+  admission.py      per-tenant token bucket and the admission queue bound (429 / RESOURCE_EXHAUSTED)
 """

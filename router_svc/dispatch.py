@@ -16,6 +16,10 @@ For each attempt (at most ``max_attempts``, default 2 = "retry once"):
 
 Client cancel, disconnect, deadline, ``Router.Abort`` and a stop string seen by the router all
 cancel the calls and send ``Abort`` to both legs. Every exit path goes through one ``finally``.
+
+Request ids are scoped per tenant: running requests are keyed by ``(tenant, request_id)``, so
+``Router.Abort`` and the ALREADY_EXISTS check reach only the caller's own requests, and workers get
+``PreparedRequest.worker_request_id`` (``<tenant>/<id>``), unique across tenants.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import grpc
 from engine.detokenizer import IncrementalDetokenizer
 from telemetry import metrics as M
 from protos import common_pb2, decode_pb2, prefill_pb2, router_pb2
+from router_svc.admission import Admission, Ticket
+from router_svc.api_keys import ANONYMOUS
 from router_svc.errors import RouterError
 from router_svc.policies import NoWorkerError, Policy
 from router_svc.pool import WorkerPool
@@ -43,7 +49,7 @@ log = logging.getLogger("halfmoon.router.dispatch")
 
 # Worker errors that are the client's fault: returned as they are, never retried.
 # final statuses of a client request (label `status` of halfmoon_router_requests_total)
-REQUEST_STATUSES = ("ok", "error", "cancelled", "timeout", "invalid", "rejected")
+REQUEST_STATUSES = M.REQUEST_STATUSES
 _CLIENT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 
 
@@ -65,10 +71,10 @@ class _Legs:
 
     def __init__(self, prep: PreparedRequest, p: Worker, d: Worker, room: int, timeout: float | None) -> None:
         self.prep, self.p, self.d, self.room = prep, p, d, room
-        dreq = decode_pb2.DecodeRequest(request_id=prep.request_id, room=room, input_ids=prep.input_ids,
+        dreq = decode_pb2.DecodeRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
                                         sampling=prep.sampling, prefill_address=p.address,
                                         prefill_worker_id=p.worker_id)
-        preq = prefill_pb2.PrefillRequest(request_id=prep.request_id, room=room, input_ids=prep.input_ids,
+        preq = prefill_pb2.PrefillRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
                                           sampling=prep.sampling)
         self.d_call = d.stub.Generate(dreq, timeout=timeout)
         self.p_task: asyncio.Task = asyncio.ensure_future(p.stub.Prefill(preq, timeout=timeout))
@@ -90,7 +96,7 @@ class _Legs:
         self.d_call.cancel()
         _discard(self.p_task)
         if abort:
-            req = common_pb2.AbortRequest(request_id=self.prep.request_id, room=self.room, reason=reason)
+            req = common_pb2.AbortRequest(request_id=self.prep.worker_request_id, room=self.room, reason=reason)
             for w in (self.d, self.p):
                 t = asyncio.ensure_future(_abort_leg(w, req))
                 background.add(t)
@@ -131,10 +137,13 @@ class Dispatcher:
         max_attempts: pairs tried per request before failing (2 = retry once).
         first_token_timeout: seconds to wait for D's first chunk before the attempt fails.
         request_timeout: default deadline (seconds) when the client sets none.
+        admission: rate limits and the admission queue bound (default: none).
+        tenants: every tenant a request can come from (their metric series exist from the start).
     """
 
     def __init__(self, tok: RouterTokenizer, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy,
-                 max_attempts: int = 2, first_token_timeout: float = 120.0, request_timeout: float = 600.0) -> None:
+                 max_attempts: int = 2, first_token_timeout: float = 120.0, request_timeout: float = 600.0,
+                 admission: Admission | None = None, tenants: tuple[str, ...] = (ANONYMOUS,)) -> None:
         self.tok = tok
         self.pool = pool
         self.prefill_policy = prefill_policy
@@ -144,28 +153,42 @@ class Dispatcher:
         self.request_timeout = request_timeout
         pool.policies = [prefill_policy, decode_policy]
         self.policy_label = f"{prefill_policy.name}/{decode_policy.name}"
-        for status in REQUEST_STATUSES:  # series exist at 0 from the first scrape, so rate() sees
-            M.ROUTER_REQUESTS.labels(status=status, policy=self.policy_label)  # the first requests
-        self._inflight: dict[str, _Inflight] = {}
+        self.admission = admission or Admission()
+        M.init_router_series(self.policy_label, tenants, REQUEST_STATUSES)
+        self._inflight: dict[tuple[str, str], _Inflight] = {}
         self._background: set = set()
 
-    def abort(self, request_id: str, reason: str = "aborted by client") -> bool:
-        """Abort a running request by id (``Router.Abort``); False when none runs with that id."""
-        h = self._inflight.get(request_id)
+    def abort(self, request_id: str, reason: str = "aborted by client", tenant: str = ANONYMOUS) -> bool:
+        """Abort ``tenant``'s running request ``request_id`` (``Router.Abort``); False when that tenant
+        runs none with that id (another tenant's request of the same id is not touched)."""
+        h = self._inflight.get((tenant, request_id))
         if h is None:
             return False
         h.reason = reason
         h.aborted.set()
         return True
 
-    def count(self, status: str, start: float) -> None:
+    def count(self, status: str, start: float, tenant: str = ANONYMOUS) -> None:
         assert status in REQUEST_STATUSES, status
-        M.ROUTER_REQUESTS.labels(status=status, policy=self.policy_label).inc()
-        M.ROUTER_E2E.observe(time.monotonic() - start)
+        M.ROUTER_REQUESTS.labels(status=status, policy=self.policy_label, tenant=tenant).inc()
+        M.ROUTER_E2E.labels(tenant=tenant).observe(time.monotonic() - start)
 
-    async def generate(self, prep: PreparedRequest, timeout: float | None = None,
-                       arrival: float | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Stream responses for a validated request.
+    def admit(self, tenant: str, arrival: float) -> Ticket:
+        """Admission of one generation request (before validation): see :class:`Admission`.
+
+        Raises:
+            RouterError: RESOURCE_EXHAUSTED with ``retry_after`` (rate limit, queue full), counted.
+        """
+        try:
+            return self.admission.admit(tenant)
+        except RouterError as exc:
+            self.count("queue_full" if exc.err_code == "queue_full" else "rate_limited", arrival, tenant)
+            raise
+
+    async def generate(self, prep: PreparedRequest, timeout: float | None = None, arrival: float | None = None,
+                       ticket: Ticket | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Stream responses for a validated request; ``ticket`` (from :meth:`admit`) leaves the
+        admission queue at the first token and is closed at the end in any case.
 
         Yields GenerateResponse messages: token ids, text delta (UTF-8 safe, stop strings removed),
         logprobs; the last one carries ``finish_reason`` ("stop" | "length" | "abort") and usage.
@@ -179,12 +202,15 @@ class Dispatcher:
         timeout = timeout if timeout is not None else self.request_timeout
         deadline = start + timeout
         rid = prep.request_id
-        if rid in self._inflight:
+        key = (prep.tenant, rid)
+        if key in self._inflight:
+            if ticket is not None:
+                ticket.close()
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running", "request_id")
         handle = _Inflight()
-        self._inflight[rid] = handle
+        self._inflight[key] = handle
         M.ROUTER_IN_FLIGHT.inc()
-        M.ROUTER_PROMPT_TOKENS.inc(len(prep.input_ids))
+        M.ROUTER_PROMPT_TOKENS.labels(tenant=prep.tenant).inc(len(prep.input_ids))
         status = "error"
         legs: _Legs | None = None
         abort_wait = asyncio.ensure_future(handle.aborted.wait())
@@ -225,7 +251,7 @@ class Dispatcher:
                                           f"{f.leg} worker's KV pool)", "max_tokens",
                                           "context_length_exceeded") from None
                     log.warning("request %s attempt %d (room %d, %s -> %s) failed before the first token: %s",
-                                rid, attempt + 1, legs.room, p.worker_id, d.worker_id, f)
+                                prep.worker_request_id, attempt + 1, legs.room, p.worker_id, d.worker_id, f)
                     tried |= {p.worker_id, d.worker_id}
                     last = f
                     if attempt + 1 < self.max_attempts:
@@ -238,6 +264,8 @@ class Dispatcher:
                 yield router_pb2.GenerateResponse(request_id=rid, finish_reason="abort",
                                                   usage=router_pb2.Usage(prompt_tokens=len(prep.input_ids)))
                 return
+            if ticket is not None:
+                ticket.started()
             if first is None:
                 code = last.code if last and last.code == grpc.StatusCode.RESOURCE_EXHAUSTED else grpc.StatusCode.UNAVAILABLE
                 raise RouterError(code, f"request failed after {self.max_attempts} attempts; last: {last}")
@@ -254,11 +282,13 @@ class Dispatcher:
             raise
         finally:
             abort_wait.cancel()
+            if ticket is not None:
+                ticket.close()
             if legs is not None and not legs.closed:
                 legs.close(abort=True, reason=handle.reason or "client went away", background=self._background)
-            self._inflight.pop(rid, None)
+            self._inflight.pop(key, None)
             M.ROUTER_IN_FLIGHT.dec()
-            self.count(status, start)
+            self.count(status, start, prep.tenant)
 
     async def _first_chunk(self, legs: _Legs, abort_wait: asyncio.Future, deadline: float):
         """Wait for D's first chunk with tokens; None when aborted. Raises _LegFailure."""
@@ -331,13 +361,14 @@ class Dispatcher:
             now = time.monotonic()
             if chunk.token_ids:
                 if last_emit is None:
-                    M.ROUTER_TTFT.observe(now - start)
+                    M.ROUTER_TTFT.labels(tenant=prep.tenant).observe(now - start)
                 else:
                     gap = (now - last_emit) / len(chunk.token_ids)
+                    itl = M.ROUTER_ITL.labels(tenant=prep.tenant)
                     for _ in chunk.token_ids:
-                        M.ROUTER_ITL.observe(gap)
+                        itl.observe(gap)
                 last_emit = now
-                M.ROUTER_COMPLETION_TOKENS.inc(len(chunk.token_ids))
+                M.ROUTER_COMPLETION_TOKENS.labels(tenant=prep.tenant).inc(len(chunk.token_ids))
             yield resp
             if finish:
                 return

@@ -11,6 +11,7 @@ from grpc._cython.cygrpc import ExecuteBatchError
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import RouterError
+from router_svc.grpc_auth import current_tenant
 from router_svc.validation import prepare
 
 log = logging.getLogger("halfmoon.router.grpc")
@@ -39,6 +40,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     The client's deadline (``context.time_remaining()``) bounds both legs; a cancelled call
     (client cancel / disconnect / deadline) cancels the handler, and the dispatcher aborts both legs.
+    The caller's tenant comes from :class:`~router_svc.grpc_auth.AioApiKeyInterceptor`; request ids
+    (Generate, Abort) are the tenant's own.
     """
 
     def __init__(self, dispatcher: Dispatcher) -> None:
@@ -47,19 +50,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request, context):
         arrival = time.monotonic()
         _CALL.set(context)
+        tenant = current_tenant()
         try:
-            prep = prepare(request, self.d.tok)
+            ticket = self.d.admit(tenant, arrival)
         except RouterError as exc:
-            self.d.count("invalid", arrival)
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
         try:
-            async for resp in self.d.generate(prep, timeout=context.time_remaining(), arrival=arrival):
+            prep = prepare(request, self.d.tok, tenant=tenant)
+        except RouterError as exc:
+            ticket.close()
+            self.d.count("invalid", arrival, tenant)
+            await _abort(context, exc)
+        try:
+            async for resp in self.d.generate(prep, timeout=context.time_remaining(), arrival=arrival, ticket=ticket):
                 yield resp
         except RouterError as exc:
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
 
     async def Abort(self, request: common_pb2.AbortRequest, context):
-        return common_pb2.AbortResponse(found=self.d.abort(request.request_id, request.reason or "aborted by client"))
+        return common_pb2.AbortResponse(found=self.d.abort(request.request_id, request.reason or "aborted by client",
+                                                           tenant=current_tenant()))
 
     async def ListModels(self, request, context):
         card = self.d.tok.card
@@ -73,6 +83,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if w.load is not None:
                 ws.load.CopyFrom(w.load)
         return out
+
+
+async def _abort(context, exc: RouterError) -> None:
+    trailers = exc.grpc_trailers()
+    if trailers:
+        context.set_trailing_metadata(trailers)
+    await context.abort(exc.code, exc.message)
 
 
 __all__ = ["RouterServicer", "SendAfterDeadlineFilter"]

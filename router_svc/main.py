@@ -31,6 +31,7 @@ from protos import router_pb2, router_pb2_grpc
 from protos.request_guard import AioInvalidRequestInterceptor
 from security import ClusterCredentials, CredentialsError
 from security.flags import add_cluster_auth_args
+from router_svc import front_door
 from router_svc.dispatch import Dispatcher
 from router_svc.grpc_service import RouterServicer, SendAfterDeadlineFilter
 from router_svc.openai_api import build_app
@@ -61,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
     # for the router's channels to workers and registry; its own face to clients is API-key based
     add_cluster_auth_args(p)
+    front_door.add_arguments(p)
 
 
 def _split(s: str) -> list[str]:
@@ -73,13 +75,15 @@ async def serve(args: argparse.Namespace) -> int:
     except CredentialsError as e:
         raise SystemExit(f"serve-router: {e}") from None
     log.info("cluster identity toward workers and registry: %s", credentials.mode)
+    door = front_door.FrontDoor.from_args(args)
     model_dir = resolve_model(args.model)
     tok = RouterTokenizer(args.model if not os.path.isdir(args.model) else model_dir.name, model_dir)
     pool = WorkerPool(model_names=(tok.card.id, str(model_dir)), health_interval=args.health_interval,
                       credentials=credentials)
     dispatcher = Dispatcher(tok, pool, make_policy(args.prefill_policy, args.page_size),
                             make_policy(args.decode_policy, args.page_size), max_attempts=args.max_attempts,
-                            first_token_timeout=args.first_token_timeout, request_timeout=args.request_timeout)
+                            first_token_timeout=args.first_token_timeout, request_timeout=args.request_timeout,
+                            admission=door.admission, tenants=door.keys.tenants)
     if args.registry:
         pool.watch_registry(args.registry)
     pool.add_static(_split(args.prefill), _split(args.decode))
@@ -87,7 +91,8 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit("serve-router: give --registry, or both --prefill and --decode")
 
     logging.getLogger("grpc._cython.cygrpc").addFilter(SendAfterDeadlineFilter())
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[AioInvalidRequestInterceptor()])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)] + door.grpc_options(),
+                             interceptors=[door.grpc_interceptor(), AioInvalidRequestInterceptor()])
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(dispatcher), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -101,8 +106,8 @@ async def serve(args: argparse.Namespace) -> int:
     metrics_port = start_metrics_server(args.metrics_port, args.host, role="router", worker_id="router",
                                         model=tok.card.id)
 
-    config = uvicorn.Config(build_app(dispatcher), host=args.host, port=args.http_port, log_level="warning",
-                            lifespan="off")
+    config = uvicorn.Config(door.http_app(build_app(dispatcher)), host=args.host, port=args.http_port,
+                            log_level="warning", lifespan="off")
     http = uvicorn.Server(config)
     http.capture_signals = contextlib.nullcontext  # SIGINT/SIGTERM are ours (below), not uvicorn's
     stop = asyncio.Event()
@@ -128,6 +133,7 @@ async def serve(args: argparse.Namespace) -> int:
             await asyncio.sleep(0.1)
 
     health_task = asyncio.ensure_future(track_health())
+    door.log_startup()
     print(f"READY router grpc={args.host}:{grpc_port} http={args.host}:{http_port} "
           f"metrics={args.host}:{metrics_port}", flush=True)
     await asyncio.wait({asyncio.ensure_future(stop.wait()), http_task}, return_when=asyncio.FIRST_COMPLETED)

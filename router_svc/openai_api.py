@@ -12,7 +12,9 @@ naming the field). vLLM-style extras are accepted: ``top_k``, ``min_p``, ``repet
 Bodies are parsed strictly: a field of the wrong JSON type (``"max_tokens": "5"``, ``"stream": 1``)
 or one the models do not declare is a 400 naming it, never coerced or dropped; OpenAI fields the
 router cannot honour yet (a non-empty ``logit_bias``, ``best_of`` != 1, ``echo``, ``suffix``) are
-refused by name.
+refused by name. API keys and the body size limit are checked before this app
+(:class:`~router_svc.http_guard.FrontDoorMiddleware`, which sets ``request.state.tenant``); rate
+limits and the admission queue answer 429 with ``Retry-After`` before validation.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from protos import common_pb2, router_pb2
+from router_svc.api_keys import ANONYMOUS
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import RouterError
 from router_svc.validation import DEFAULT_MAX_TOKENS, prepare
@@ -213,7 +216,7 @@ class _Logprobs:
 
 
 def _error_response(exc: RouterError) -> JSONResponse:
-    return JSONResponse(exc.openai_body(), status_code=exc.http_status)
+    return JSONResponse(exc.openai_body(), status_code=exc.http_status, headers=exc.http_headers)
 
 
 def _sse(obj: dict | str) -> bytes:
@@ -268,17 +271,20 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
 
     async def _serve(request: Request, req: router_pb2.GenerateRequest, body: _Common, chat: bool):
         arrival = time.monotonic()
+        tenant = getattr(request.state, "tenant", ANONYMOUS)
+        ticket = dispatcher.admit(tenant, arrival)
         try:
-            prep = prepare(req, dispatcher.tok, default_max_tokens=None if chat else DEFAULT_MAX_TOKENS)
+            prep = prepare(req, dispatcher.tok, default_max_tokens=None if chat else DEFAULT_MAX_TOKENS, tenant=tenant)
         except RouterError:
-            dispatcher.count("invalid", arrival)
+            ticket.close()
+            dispatcher.count("invalid", arrival, tenant)
             raise
         model = card.id
         created = int(time.time())
         rid = prep.request_id
         obj = "chat.completion" if chat else "text_completion"
         lp = _Logprobs(dispatcher, chat)
-        stream = dispatcher.generate(prep, arrival=arrival)
+        stream = dispatcher.generate(prep, arrival=arrival, ticket=ticket)
         if body.stream:
             # Run to the first token before answering 200, so that failures before it (no worker,
             # both attempts failed, a worker's RESOURCE_EXHAUSTED) get their HTTP status and body.

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from protos import common_pb2, router_pb2
+from router_svc.api_keys import ANONYMOUS
 from router_svc.errors import RouterError
 from router_svc.tokenizer import RouterTokenizer
 
@@ -28,12 +29,20 @@ class PreparedRequest:
         input_ids: prompt token ids, ``1 <= len <= max_context - max_tokens``.
         sampling: copy of the request's sampling with ``max_tokens`` always set.
         stop: stop strings (removed from returned text).
+        tenant: the caller's tenant (API key); request ids are scoped per tenant.
     """
 
     request_id: str
     input_ids: list[int]
     sampling: common_pb2.SamplingParams
     stop: list[str]
+    tenant: str = ANONYMOUS
+
+    @property
+    def worker_request_id(self) -> str:
+        """The id workers see: ``<tenant>/<request_id>``, unique across tenants (a tenant name has no
+        ``/``); the client's id as it is when the router is open (one tenant)."""
+        return self.request_id if self.tenant == ANONYMOUS else f"{self.tenant}/{self.request_id}"
 
 
 def _finite(name: str, value: float) -> float:
@@ -74,7 +83,7 @@ def validate_sampling(s: common_pb2.SamplingParams, vocab_size: int) -> None:
 
 
 def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
-            default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> PreparedRequest:
+            default_max_tokens: int | None = DEFAULT_MAX_TOKENS, tenant: str = ANONYMOUS) -> PreparedRequest:
     """Validate and tokenize one request.
 
     Args:
@@ -82,6 +91,7 @@ def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
         tok: the served model's tokenizer.
         default_max_tokens: used when ``sampling.max_tokens`` is unset; None means "the rest of the
             context window" (OpenAI chat semantics).
+        tenant: the caller's tenant (from its API key).
 
     Raises:
         RouterError: INVALID_ARGUMENT naming ``model``, ``prompt``/``messages``/``token_ids``,
@@ -133,4 +143,4 @@ def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
                                   f"exceed the context window of {card.max_context} tokens",
                                   err_code="context_length_exceeded")
     return PreparedRequest(request_id=req.request_id or f"req-{uuid.uuid4().hex}", input_ids=ids,
-                           sampling=sampling, stop=list(sampling.stop))
+                           sampling=sampling, stop=list(sampling.stop), tenant=tenant)

@@ -23,19 +23,26 @@ deploy/prometheus/prometheus-local.yml; the alert rules rely on it). The info ga
 
 Catalog (owner — name — type — labels — meaning)
 ------------------------------------------------
-router (router_svc; tokens and latencies as the client sees them, one count per client request)
-  - ``halfmoon_router_requests_total`` counter {status, policy}: finished client requests;
-    status ∈ :data:`REQUEST_STATUSES` (ok, error, cancelled, timeout, invalid, rejected).
-  - ``halfmoon_router_time_to_first_token_seconds`` histogram: request arrival → first token sent.
-  - ``halfmoon_router_inter_token_latency_seconds`` histogram: gap between consecutive streamed
-    tokens of one request (one observation per token after the first).
-  - ``halfmoon_router_e2e_request_latency_seconds`` histogram: arrival → last token / error.
+router (router_svc; tokens and latencies as the client sees them, one count per client request;
+``tenant`` is the API key's tenant: a name of the key file, ``default`` or ``anonymous``, never a
+client-chosen string)
+  - ``halfmoon_router_requests_total`` counter {status, policy, tenant}: finished client requests;
+    status ∈ :data:`REQUEST_STATUSES` (ok, error, cancelled, timeout, invalid, rejected,
+    rate_limited, queue_full).
+  - ``halfmoon_router_time_to_first_token_seconds`` histogram {tenant}: request arrival → first token sent.
+  - ``halfmoon_router_inter_token_latency_seconds`` histogram {tenant}: gap between consecutive
+    streamed tokens of one request (one observation per token after the first).
+  - ``halfmoon_router_e2e_request_latency_seconds`` histogram {tenant}: arrival → last token / error.
   - ``halfmoon_router_retries_total`` counter {leg}: pair re-picks after a failed leg before the first
     token; leg ∈ {prefill, decode}.
   - ``halfmoon_router_requests_in_flight`` gauge: requests accepted and not yet finished.
-  - ``halfmoon_router_prompt_tokens_total`` counter: prompt tokens of client requests (after the chat
-    template), counted once per request whatever the retries.
-  - ``halfmoon_router_completion_tokens_total`` counter: tokens streamed to clients.
+  - ``halfmoon_router_queued_requests`` gauge: requests admitted whose first token is not sent yet
+    (the admission queue ``--max-queued-requests`` bounds).
+  - ``halfmoon_router_prompt_tokens_total`` counter {tenant}: prompt tokens of client requests (after
+    the chat template), counted once per request whatever the retries.
+  - ``halfmoon_router_completion_tokens_total`` counter {tenant}: tokens streamed to clients.
+  - ``halfmoon_router_auth_failures_total`` counter {api, reason}: calls refused for their API key;
+    api ∈ {http, grpc}, reason ∈ {missing, invalid}.
 prefill (prefill_svc; work done by prefill workers, retried attempts included)
   - ``halfmoon_prefill_queue_requests`` gauge {queue}: requests per stage; queue ∈
     :data:`PREFILL_QUEUES` (waiting_destination, prefilling, transferring).
@@ -125,7 +132,7 @@ __all__ = [
 ]
 
 # --- label values (documented sets; use these constants rather than string literals) ----------
-REQUEST_STATUSES = ("ok", "error", "cancelled", "timeout", "invalid", "rejected")
+REQUEST_STATUSES = ("ok", "error", "cancelled", "timeout", "invalid", "rejected", "rate_limited", "queue_full")
 RETRY_LEGS = ("prefill", "decode")
 PREFILL_QUEUES = ("waiting_destination", "prefilling", "transferring")
 DECODE_QUEUES = ("prealloc", "transfer", "waiting", "retracted")
@@ -158,21 +165,23 @@ BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
 _R = None
 
 # --- router -------------------------------------------------------------------------------------
+# `tenant` is a tenant of the router's API key file, "default" (--api-key / $HALFMOON_API_KEY) or
+# "anonymous" (no key configured): never a client-chosen string, so the label stays bounded.
 ROUTER_REQUESTS = Counter(
-    "halfmoon_router_requests_total", "Finished client requests by final status and routing policy.",
-    ["status", "policy"], registry=_R)
+    "halfmoon_router_requests_total", "Finished client requests by final status, routing policy and tenant.",
+    ["status", "policy", "tenant"], registry=_R)
 ROUTER_TTFT = Histogram(
     "halfmoon_router_time_to_first_token_seconds",
     "Seconds from request arrival at the router to the first token sent to the client.",
-    buckets=TTFT_BUCKETS, registry=_R)
+    ["tenant"], buckets=TTFT_BUCKETS, registry=_R)
 ROUTER_ITL = Histogram(
     "halfmoon_router_inter_token_latency_seconds",
     "Seconds between consecutive tokens streamed to the client (one observation per token after the first).",
-    buckets=ITL_BUCKETS, registry=_R)
+    ["tenant"], buckets=ITL_BUCKETS, registry=_R)
 ROUTER_E2E = Histogram(
     "halfmoon_router_e2e_request_latency_seconds",
     "Seconds from request arrival to the last token or the error.",
-    buckets=E2E_BUCKETS, registry=_R)
+    ["tenant"], buckets=E2E_BUCKETS, registry=_R)
 ROUTER_RETRIES = Counter(
     "halfmoon_router_retries_total",
     "Prefill/decode pair re-picks after a leg failed before the first token, by failed leg.",
@@ -180,11 +189,23 @@ ROUTER_RETRIES = Counter(
 ROUTER_IN_FLIGHT = Gauge(
     "halfmoon_router_requests_in_flight", "Client requests accepted and not yet finished.",
     registry=_R)
+ROUTER_QUEUED = Gauge(
+    "halfmoon_router_queued_requests",
+    "Client requests admitted whose first token has not been sent yet (bounded by --max-queued-requests).",
+    registry=_R)
 ROUTER_PROMPT_TOKENS = Counter(
     "halfmoon_router_prompt_tokens_total",
-    "Prompt tokens of client requests (after the chat template), once per request.", registry=_R)
+    "Prompt tokens of client requests (after the chat template), once per request, by tenant.",
+    ["tenant"], registry=_R)
 ROUTER_COMPLETION_TOKENS = Counter(
-    "halfmoon_router_completion_tokens_total", "Completion tokens streamed to clients.", registry=_R)
+    "halfmoon_router_completion_tokens_total", "Completion tokens streamed to clients, by tenant.",
+    ["tenant"], registry=_R)
+ROUTER_AUTH_FAILURES = Counter(
+    "halfmoon_router_auth_failures_total",
+    "Calls refused for a missing or unknown API key (HTTP 401 / UNAUTHENTICATED), by API and reason.",
+    ["api", "reason"], registry=_R)
+AUTH_APIS = ("http", "grpc")
+AUTH_FAILURE_REASONS = ("missing", "invalid")
 
 # --- prefill ------------------------------------------------------------------------------------
 PREFILL_QUEUE = Gauge(
@@ -290,6 +311,9 @@ for _reason in TRANSFER_FAILURE_REASONS:
     TRANSFER_FAILURES.labels(reason=_reason)
 for _leg in RETRY_LEGS:
     ROUTER_RETRIES.labels(leg=_leg)
+for _api in AUTH_APIS:
+    for _reason in AUTH_FAILURE_REASONS:
+        ROUTER_AUTH_FAILURES.labels(api=_api, reason=_reason)
 for _role in WORKER_ROLES:
     REGISTRY_WORKERS.labels(role=_role)
 for _result in REGISTRY_LOOKUP_RESULTS:
@@ -305,9 +329,23 @@ for _c in QUARANTINE_RELEASE_CAUSES:
 for _reason in RETRACTION_REASONS:
     DECODE_RETRACTIONS.labels(reason=_reason)
 
+
+
+def init_router_series(policy: str, tenants: Iterable[str], statuses: Iterable[str]) -> None:
+    """Create the router's per-tenant series at 0 (requests by status, latencies, tokens), so
+    rate() and alerts see a tenant's first requests."""
+    statuses = tuple(statuses)
+    for tenant in tenants:
+        for status in statuses:
+            ROUTER_REQUESTS.labels(status=status, policy=policy, tenant=tenant)
+        for metric in (ROUTER_TTFT, ROUTER_ITL, ROUTER_E2E, ROUTER_PROMPT_TOKENS, ROUTER_COMPLETION_TOKENS):
+            metric.labels(tenant=tenant)
+
+
 METRICS_BY_GROUP: dict[str, tuple] = {
     "router": (ROUTER_REQUESTS, ROUTER_TTFT, ROUTER_ITL, ROUTER_E2E, ROUTER_RETRIES,
-               ROUTER_IN_FLIGHT, ROUTER_PROMPT_TOKENS, ROUTER_COMPLETION_TOKENS),
+               ROUTER_IN_FLIGHT, ROUTER_QUEUED, ROUTER_PROMPT_TOKENS, ROUTER_COMPLETION_TOKENS,
+               ROUTER_AUTH_FAILURES),
     "prefill": (PREFILL_QUEUE, PREFILL_PROMPT_TOKENS, PREFILL_CACHED_TOKENS, PREFILL_BATCH_SIZE,
                 PREFILL_BATCH_TOKENS, PREFILL_COMPUTE_SECONDS),
     "transfer": (TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES),

@@ -55,6 +55,20 @@ ROWS = [
          "Prefill/decode pair re-picks per second after a leg failed before the first token.",
          [("sum by (leg) (rate(halfmoon_router_retries_total[1m]))", "{{leg}}")]),
     ]),
+    ("Front door", [
+        ("Requests per second by tenant", "timeseries", "reqps",
+         "Finished client requests per second by API key tenant (key file names, default, anonymous).",
+         [("sum by (tenant) (rate(halfmoon_router_requests_total[1m]))", "{{tenant}}")]),
+        ("Refused requests", "timeseries", "reqps",
+         "Requests refused by the rate limit or the admission queue (HTTP 429), and calls refused "
+         "for a missing or unknown API key (401 / UNAUTHENTICATED), per second.",
+         [('sum by (status) (rate(halfmoon_router_requests_total{status=~"rate_limited|queue_full"}[1m]))',
+           "{{status}}"),
+          ("sum by (api, reason) (rate(halfmoon_router_auth_failures_total[1m]))", "auth {{api}} {{reason}}")]),
+        ("Admission queue", "stat", "short",
+         "Requests admitted and waiting for their first token (bounded by --max-queued-requests).",
+         [("sum(halfmoon_router_queued_requests)", "queued")]),
+    ]),
     ("Prefill", [
         ("Prefill queues", "timeseries", "short", "Requests per prefill stage, all prefill workers.",
          [("sum by (queue) (halfmoon_prefill_queue_requests)", "{{queue}}")]),

@@ -1,6 +1,7 @@
 """Scripted prefill and decode workers (sync gRPC servers in the test process), for a real router
-process whose timing or error paths a test controls. D streams the first token at once and the
-rest ``gap_s`` later; P answers at once."""
+process whose timing or error paths a test controls. D streams the first token ``first_delay_s``
+after the call (default at once) and the rest ``gap_s`` later; P answers at once. Request ids the
+workers were sent go to ``seen`` when given."""
 
 from __future__ import annotations
 
@@ -17,13 +18,18 @@ TOKENS = [1000, 1001, 1002]
 
 
 class StubWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
-    def __init__(self, gap_s: float) -> None:
+    def __init__(self, gap_s: float, first_delay_s: float = 0.0, seen: list | None = None) -> None:
         self.gap_s = gap_s
+        self.first_delay_s = first_delay_s
+        self.seen = seen if seen is not None else []
 
     def Prefill(self, request, context):
+        self.seen.append(("prefill", request.request_id))
         return prefill_pb2.PrefillResult(room=request.room, first_token_id=TOKENS[0])
 
     def Generate(self, request, context):
+        self.seen.append(("decode", request.request_id))
+        time.sleep(self.first_delay_s)
         yield decode_pb2.DecodeChunk(token_ids=TOKENS[:1], prompt_tokens=len(request.input_ids))
         time.sleep(self.gap_s)
         yield decode_pb2.DecodeChunk(token_ids=TOKENS[1:], finish_reason="length", completion_tokens=len(TOKENS))
@@ -36,13 +42,14 @@ class StubWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
 
 
 @contextlib.contextmanager
-def stub_workers(gap_s: float = 0.1):
-    """Start a stub P and a stub D; yields (prefill address, decode address)."""
+def stub_workers(gap_s: float = 0.1, first_delay_s: float = 0.0, seen: list | None = None):
+    """Start a stub P and a stub D; yields (prefill address, decode address). ``seen`` collects
+    ("prefill" | "decode", request_id) of every Prefill / Generate call."""
     servers, addrs = [], []
     try:
         for add in (prefill_pb2_grpc.add_PrefillServicer_to_server, decode_pb2_grpc.add_DecodeServicer_to_server):
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
-            add(StubWorker(gap_s), server)
+            add(StubWorker(gap_s, first_delay_s, seen), server)
             health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # "" is SERVING
             addrs.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
             server.start()

@@ -225,9 +225,9 @@ def test_router_metrics(stack):
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(prefix) and not line.startswith("#"))
 
-    assert value('halfmoon_router_requests_total{policy="cache_aware/cache_aware",status="ok"}') >= 10
-    assert value('halfmoon_router_requests_total{policy="cache_aware/cache_aware",status="cancelled"}') >= 2
-    assert value('halfmoon_router_requests_total{policy="cache_aware/cache_aware",status="invalid"}') >= 4
+    assert value('halfmoon_router_requests_total{policy="cache_aware/cache_aware",status="ok",tenant="') >= 10
+    assert value('halfmoon_router_requests_total{policy="cache_aware/cache_aware",status="cancelled",tenant="') >= 2
+    assert value('halfmoon_router_requests_total{policy="cache_aware/cache_aware",status="invalid",tenant="') >= 4
     assert value("halfmoon_router_time_to_first_token_seconds_count") >= 10
     assert value("halfmoon_router_inter_token_latency_seconds_count") >= 10
     assert value("halfmoon_router_completion_tokens_total") >= 10 * MAX_TOKENS

@@ -135,14 +135,16 @@ def start_router(log_dir: Path, *, registry: str = "", prefill: list[str] = (), 
     return p
 
 
-def wait_router_sees(router: Proc, n: int, timeout: float = 60.0) -> None:
-    """Wait until ``router`` lists ``n`` healthy workers."""
+def wait_router_sees(router: Proc, n: int, timeout: float = 60.0, api_key: str = "") -> None:
+    """Wait until ``router`` lists ``n`` healthy workers (``api_key``: sent as the bearer token)."""
     from protos import router_pb2, router_pb2_grpc
 
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(router.address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
-        while sum(w.healthy for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers) < n:
+        md = [("authorization", f"Bearer {api_key}")] if api_key else None
+        while sum(w.healthy for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10,
+                                                      metadata=md).workers) < n:
             assert time.monotonic() < deadline, f"router does not see {n} healthy workers:\n{router.log()[-4000:]}"
             time.sleep(0.1)
 

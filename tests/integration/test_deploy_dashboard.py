@@ -72,7 +72,7 @@ def test_panels_are_well_formed():
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids))
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert rows == ["Overview", "Prefill", "Transfer", "Decode", "KV cache", "Workers"]
+    assert rows == ["Overview", "Front door", "Prefill", "Transfer", "Decode", "KV cache", "Workers"]
     for p in d["panels"]:
         g = p["gridPos"]
         assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
