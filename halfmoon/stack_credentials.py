@@ -18,7 +18,6 @@ prints its token, for the clients on this machine (``halfmoon generate``, ``benc
 from __future__ import annotations
 
 import enum
-import functools
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -40,18 +39,6 @@ def _write_private(path: Path, text: str) -> Path:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     return path
-
-
-@functools.lru_cache(maxsize=None)
-def router_takes(flag: str) -> bool:
-    """Whether ``serve-router`` has ``flag`` (the router's API-key flags come with its own work)."""
-    import argparse
-
-    from router_svc.main import add_arguments
-
-    p = argparse.ArgumentParser(add_help=False)
-    add_arguments(p)
-    return any(flag in a.option_strings for a in p._actions)
 
 
 @dataclass(frozen=True)
@@ -87,8 +74,8 @@ class StackCredentials:
         return []
 
     def router_args(self) -> list[str]:
-        """The router's API-key argv (empty in open mode, or while the router has no --api-key-file)."""
-        if self.api_key_file is None or not router_takes("--api-key-file"):
+        """The router's API-key argv (empty in open mode)."""
+        if self.api_key_file is None:
             return []
         return ["--api-key-file", str(self.api_key_file)]
 
@@ -178,4 +165,4 @@ def prepare(mode: AuthMode, run_dir: Path, names: list[str], *, tls_dir: str = "
     return creds
 
 
-__all__ = ["AuthMode", "StackCredentials", "add_auth_arguments", "auth_mode", "describe", "prepare", "router_takes"]
+__all__ = ["AuthMode", "StackCredentials", "add_auth_arguments", "auth_mode", "describe", "prepare"]

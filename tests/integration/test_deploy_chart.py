@@ -117,7 +117,7 @@ def test_workers_register_with_pod_ip_and_grpc_probes():
         assert flags == {"--model": "smollm2-135m-instruct", "--host": "0.0.0.0", "--port": str(port),
                          "--metrics-port": "9400", "--registry": registry, "--advertise-host": "$(POD_IP)",
                          "--worker-id": "$(POD_NAME)", "--device": "cpu", "--transport": "tcp",
-                         "--page-size": "16"}
+                         "--page-size": "16", "--cluster-token-file": "/etc/halfmoon/cluster-token/token"}
         env = {e["name"]: e for e in c["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -133,14 +133,17 @@ def test_workers_register_with_pod_ip_and_grpc_probes():
     flags = dict(zip(router["args"][1::2], router["args"][2::2]))
     assert flags == {"--model": "smollm2-135m-instruct", "--host": "0.0.0.0", "--port": "50051",
                      "--http-port": "8000", "--metrics-port": "9400", "--registry": registry,
-                     "--prefill-policy": "cache_aware", "--decode-policy": "cache_aware", "--page-size": "16"}
+                     "--prefill-policy": "cache_aware", "--decode-policy": "cache_aware", "--page-size": "16",
+                     "--cluster-token-file": "/etc/halfmoon/cluster-token/token",
+                     "--api-key-file": "/etc/halfmoon/api-keys/api-keys"}
     # NOT_SERVING while no worker pair is healthy must not restart the router: liveness is a TCP check
     assert router["livenessProbe"]["tcpSocket"]["port"] == 50051
     assert router["readinessProbe"]["grpc"]["port"] == 50051
     reg = _by(docs, "Deployment", "hm-halfmoon-registry")
     assert reg["spec"]["replicas"] == 1 and reg["spec"]["strategy"]["type"] == "Recreate"
     assert reg["spec"]["template"]["spec"]["containers"][0]["args"] == [
-        "serve-transfer", "--host", "0.0.0.0", "--port", "50050", "--metrics-port", "9400"]
+        "serve-transfer", "--host", "0.0.0.0", "--port", "50050", "--metrics-port", "9400",
+        "--cluster-token-file", "/etc/halfmoon/cluster-token/token"]
     cm = _by(docs, "ConfigMap", "hm-halfmoon")
     assert cm["data"]["HALFMOON_METRICS_HOST"] == "0.0.0.0"
 

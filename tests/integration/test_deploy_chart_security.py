@@ -46,14 +46,23 @@ def _mounted_file(spec, path):
     return None
 
 
-def test_default_has_no_trust_flags_and_network_policies_on():
+def test_default_has_token_and_api_key_no_tls_and_network_policies_on():
+    """Secure by default like `halfmoon up`: a generated cluster token on every process, a generated
+    API key on the router only; TLS is opt-in."""
     docs = _render()
     for comp in COMPONENTS:
         args = _pod(docs, comp)["containers"][0]["args"]
-        assert not {"--api-key-file", "--cluster-token-file", "--tls-cert"} & set(args), (comp, args)
+        assert "--cluster-token-file" in args and "--tls-cert" not in args, (comp, args)
+        assert ("--api-key-file" in args) == (comp == "router"), (comp, args)
     assert {d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"} == {
         "hm-halfmoon-within-release", "hm-halfmoon-router-api", "hm-halfmoon-metrics"}
-    assert not [d for d in docs if d["kind"] in ("Secret", "Certificate")]
+    assert not [d for d in docs if d["kind"] == "Certificate" or d.get("type") == "kubernetes.io/tls"]
+    assert [d for d in docs if d["kind"] == "Secret"]
+    open_docs = _render("--set", "security.apiKeys.enabled=false", "--set", "security.clusterToken.enabled=false")
+    for comp in COMPONENTS:
+        args = _pod(open_docs, comp)["containers"][0]["args"]
+        assert not {"--api-key-file", "--cluster-token-file", "--tls-cert"} & set(args), (comp, args)
+    assert not [d for d in open_docs if d["kind"] in ("Secret", "Certificate")]
     assert not [d for d in _render("--set", "networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
 
 
@@ -122,7 +131,7 @@ def test_cert_manager_certificates():
     docs = _render(*CERT_MANAGER)
     certs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Certificate"}
     assert set(certs) == {f"hm-halfmoon-{c}" for c in COMPONENTS}
-    assert not [d for d in docs if d["kind"] == "Secret"]   # cert-manager writes them
+    assert not [d for d in docs if d.get("type") == "kubernetes.io/tls"]   # cert-manager writes them
     for comp in COMPONENTS:
         spec = certs[f"hm-halfmoon-{comp}"]["spec"]
         assert spec["issuerRef"] == {"name": "ca-issuer", "kind": "ClusterIssuer", "group": "cert-manager.io"}
