@@ -5,7 +5,8 @@
   has no K/V) and grows a page at a time before each decode step. ``full``: the old behaviour,
   ``prompt + max_tokens - 1`` slots up front, never grows, never retracts.
 * **Projection.** Admission (new requests and resumes) keeps the pages that the live requests are
-  projected to still take available (``engine.scheduler.retraction.NewTokenRatio``), so that it
+  projected to still take available (``engine.scheduler.retraction.NewTokenRatio``, which learns
+  from every request that ends by itself how much of its ``max_tokens`` it used), so that it
   rarely has to be undone. With nothing else live a request is admitted whenever it fits.
 * **Retraction.** When a decode step cannot grow a running request, the newest unpinned running
   request is retracted (``engine.scheduler.retraction.pick_victim``): its committed tokens' full
@@ -141,6 +142,11 @@ class DecodeMemory:
         bisect.insort(self.retracted, job, key=lambda j: j.seq)
         self.ratio.on_retract()
         M.DECODE_RETRACTIONS.labels(reason=reason).inc()
+
+    def on_finish(self, job: DecodeJob) -> None:
+        """A job ended by itself (stop, EOS, length): the projection learns how much it used."""
+        share = self.ratio.on_finish(len(job.output_ids), job.params.max_tokens)
+        M.DECODE_FINISHED_TOKEN_SHARE.observe(share)
 
     def discard(self, job: DecodeJob) -> None:
         if job in self.retracted:

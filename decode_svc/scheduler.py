@@ -221,6 +221,7 @@ class DecodeScheduler(SchedulerLoop):
 
     def _finish(self, job: DecodeJob) -> None:
         """Normal end: KV delivered and committed; release everything, end the stream."""
+        self.memory.on_finish(job)
         self._end(job, quarantine=False)
         job.out.put(None)
 
