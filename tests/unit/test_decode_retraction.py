@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from decode_svc.jobs import JobState
+from engine.forward_batch import ForwardMode
 from engine.sampling_params import SamplingParams
 from engine.scheduler.retraction import NewTokenRatio, pick_victim
 from protos import prefill_pb2
@@ -97,6 +98,74 @@ def test_retraction_while_another_request_is_committed(model, reference):
     assert sum(j.retractions for j in jobs) >= 1
     for j, ref in zip(jobs, refs):
         assert outcome(j) == (ref, None)
+    d.assert_idle()
+
+
+def spy_forwards(d: Decode) -> list:
+    """Record (mode, tokens) of every forward D's runner runs (the real forward still runs)."""
+    seen, real = [], d.runner.forward
+
+    def forward(batch):
+        seen.append((batch.mode, int(batch.extend_lens.sum())))
+        return real(batch)
+
+    d.runner.forward = forward
+    return seen
+
+
+def test_resume_recompute_is_chunked(model, reference):
+    """Without the radix cache a resume recomputes the whole sequence (10+ tokens); with a chunk of
+    3 tokens it takes several iterations, each with at most 3 recomputed tokens and a decode step
+    for the running batch, and every stream still equals the request run alone."""
+    d = tight(Decode(model, num_pages=14, reserved_decode_tokens=2, disable_radix_cache=True,
+                     resume_chunk_tokens=3))
+    refs = [reference(p, 25) for p in PROMPTS]
+    jobs = [d.submit(p, 25) for p in PROMPTS]
+    seen = spy_forwards(d)
+    sent, spans, interleaved = set(), 0, 0
+    for _ in range(600):
+        for j, r in zip(jobs, refs):
+            if j.state is JobState.TRANSFER and j.room in d.net.dests and j.room not in sent:
+                d.prefill(j, r[0])
+                sent.add(j.room)
+        if all(j.state is JobState.DONE for j in jobs):
+            break
+        seen.clear()
+        d.tick()
+        extend = [n for m, n in seen if m is ForwardMode.EXTEND]
+        assert sum(extend) <= 3, seen  # one chunk budget per iteration, across resuming jobs
+        if d.sched.memory.resuming:  # a tail still unfinished after this iteration
+            spans += 1
+            interleaved += any(m is ForwardMode.DECODE for m, _ in seen)
+    d.tick()
+    assert max(j.retractions for j in jobs) >= 1 and spans >= 3 and interleaved >= 1
+    for j, ref in zip(jobs, refs):
+        assert outcome(j) == (ref, None), j.request_id
+    d.assert_idle()
+
+
+def test_abort_while_the_tail_is_recomputed(model, reference):
+    """A resuming request (lease held, tail half recomputed) is aborted: it ends CANCELLED with a
+    prefix of its reference, the other finishes, and nothing stays held."""
+    d = tight(Decode(model, num_pages=8, reserved_decode_tokens=1, disable_radix_cache=True,
+                     resume_chunk_tokens=2))
+    ra, rb = reference(PROMPTS[0], 20), reference(PROMPTS[1], 20)
+    a, b = d.submit(PROMPTS[0], 20), d.submit(PROMPTS[1], 20)
+    for _ in range(200):
+        for j, r in ((a, ra), (b, rb)):
+            if j.state is JobState.TRANSFER and j.room in d.net.dests and not j.cached_tokens:
+                d.prefill(j, r[0], cached_tokens=1)
+        d.tick()
+        if b in d.sched.memory.resuming:
+            break
+    assert b in d.sched.memory.resuming and b.lease is not None and b.state is JobState.RETRACTED
+    d.sched.abort(b.room, b.request_id, "client gone")
+    d.tick()
+    toks, end = outcome(b)
+    assert code(end) is grpc.StatusCode.CANCELLED and toks == rb[:len(toks)] and b.lease is None
+    assert not d.sched.memory.resuming
+    d.run_until_done(a, limit=200)
+    assert outcome(a) == (ra, None)
     d.assert_idle()
 
 
