@@ -7,10 +7,22 @@ Two workloads per mode, each on a fresh stack (``halfmoon up --base-port 0`` as 
 * **chats**: 16 concurrent OpenAI chats without ``max_tokens`` (greedy, short answers ending on EOS)
   on the default stack; one chat alone first. Reports total time vs alone, the decode batch size over
   time (D's ``GetLoad`` polled every 50 ms) and its peak.
-* **pressure**: 16 concurrent completions of 64 prompt tokens + 128 output tokens (``ignore_eos``) on
-  a decode pool of 64 pages (1024 tokens): a working set of 192 pages, 3x the pool. The ondemand
+* **natural** (the case on-demand admission is for): 16 concurrent greedy chats that advertise
+  ``max_tokens=1024`` and stop by themselves (EOS), half short answers and half long-form requests,
+  so lengths are mixed and unknown to D. Decode pool: ``NATURAL_PAGES`` (140 pages, 2240 tokens):
+  ``full`` reserves prompt + 1023 slots (~66 pages) per request and so runs 2 at a time, while the
+  tokens the 16 actually hold at once are 2-4x the pool. Not ``max_tokens`` unset: the router then
+  asks for the rest of the 8192-token context, which needs a pool of > 8192 tokens and a working
+  set of 16-32k live tokens to be under pressure, too slow on a shared CPU; the **chats** workload
+  covers the unset case on the default pool.
+* **pressure** (known lengths, the case projection cannot win): 16 concurrent completions of 64
+  prompt tokens + 128 output tokens (``ignore_eos``: every request uses all of its max_tokens) on a
+  decode pool of 64 pages (1024 tokens): a working set of 192 pages, 3x the pool. The ondemand
   reserve is scaled with the pool (16 tokens; the default 128 would cover all 128 outputs, i.e. be
-  ``full``). Reports output tok/s, TTFT/ITL p50/p99 and D's retractions.
+  ``full``).
+
+For natural and pressure: output tok/s, TTFT/ITL p50/p99, D's retractions, failed requests, the
+per-request completion lengths and finish reasons.
 
 Prints a table and writes JSON (``config``, per mode and workload ``summary``, ratios ondemand/full).
 """
@@ -41,6 +53,18 @@ CHATS = ["Say hi.", "Name a color.", "Name a fruit.", "Name a vegetable.", "Name
 PRESSURE_TEXT = ("The harbour master kept a ledger of every ship that came in, its cargo, its crew and the "
                  "weather on the day it arrived. ")
 PRESSURE_PAGES = 64  # decode pool of the pressure workload (page size 16)
+NATURAL_PAGES = 140  # decode pool of the natural workload: 2 full reservations of prompt + 1023
+NATURAL_MAX_TOKENS = 1024
+NATURAL = ["Say hi.", "Name a color.", "What is 2 + 2?", "Name a fruit.", "Say thank you.",
+           "Name a planet.", "What is the capital of France?", "Name a month.",
+           "Write a long story about a dragon who learns to bake bread.",
+           "Explain in detail how a car engine works.",
+           "Write an essay about the history of the printing press.",
+           "Describe, step by step, how to plant a vegetable garden.",
+           "Write a long letter to a friend about your summer holiday.",
+           "Explain how the water cycle works, with examples.",
+           "Write a detailed guide to learning to play the guitar.",
+           "Tell a long story about a sailor lost at sea."]
 
 
 class UpStack:
@@ -72,21 +96,33 @@ class UpStack:
 
 
 def _stream(client, kind: str, payload) -> dict:
-    """One streamed request: times (s since send) of each chunk with content, token count."""
+    """One streamed request: times (s since send) of each chunk with content, completion tokens,
+    finish reason, or the error that ended it."""
     t0 = time.monotonic()
-    times = []
-    if kind == "chat":
-        it = client.chat.completions.create(model=MODEL, temperature=0, stream=True,
-                                            messages=[{"role": "user", "content": payload}])
-        text_of = lambda c: c.choices[0].delta.content if c.choices else None  # noqa: E731
-    else:
-        it = client.completions.create(model=MODEL, temperature=0, stream=True, prompt=payload,
-                                       max_tokens=128, extra_body={"ignore_eos": True})
-        text_of = lambda c: c.choices[0].text if c.choices else None  # noqa: E731
-    for chunk in it:
-        if text_of(chunk):
-            times.append(time.monotonic() - t0)
-    return {"times": times, "e2e": time.monotonic() - t0}
+    times, usage, finish, error = [], None, None, None
+    try:
+        if kind in ("chat", "natural"):
+            extra = {"max_tokens": NATURAL_MAX_TOKENS} if kind == "natural" else {}
+            it = client.chat.completions.create(model=MODEL, temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                messages=[{"role": "user", "content": payload}], **extra)
+            text_of = lambda c: c.choices[0].delta.content if c.choices else None  # noqa: E731
+        else:
+            it = client.completions.create(model=MODEL, temperature=0, stream=True, prompt=payload,
+                                           max_tokens=128, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+            text_of = lambda c: c.choices[0].text if c.choices else None  # noqa: E731
+        for chunk in it:
+            if text_of(chunk):
+                times.append(time.monotonic() - t0)
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+    except Exception as e:  # a failed request is a result here, reported as such
+        error = f"{type(e).__name__}: {e}"
+    return {"times": times, "e2e": time.monotonic() - t0, "tokens": usage if usage is not None else len(times),
+            "finish": finish, "error": error}
 
 
 def _poll_batch(address: str, stop: threading.Event, out: list, credentials) -> None:
@@ -123,9 +159,12 @@ def _run(stack: UpStack, kind: str, payloads: list) -> dict:
     total = time.monotonic() - t0
     stop.set()
     poller.join()
-    toks = sum(len(r["times"]) for r in recs)
+    toks = sum(r["tokens"] for r in recs)
     itl = [g for r in recs for g in itl_gaps(r["times"], [1] * len(r["times"]))]
-    return {"requests": len(recs), "total_s": round(total, 2), "output_tokens": toks,
+    return {"requests": len(recs), "failed": sum(r["error"] is not None for r in recs),
+            "errors": sorted({r["error"] for r in recs if r["error"]}),
+            "completion_tokens": [r["tokens"] for r in recs], "finish": [r["finish"] for r in recs],
+            "total_s": round(total, 2), "output_tokens": toks,
             "output_tok_s": round(toks / total, 2),
             "ttft_ms": distribution([r["times"][0] for r in recs if r["times"]], 1000),
             "itl_ms": distribution(itl, 1000),
@@ -137,6 +176,8 @@ def bench_mode(mode: str, tmp: Path, workloads: tuple[str, ...]) -> dict:
     out = {}
     if "chats" in workloads:
         out["chats"] = _chats(mode, tmp)
+    if "natural" in workloads:
+        out["natural"] = _natural(mode, tmp)
     if "pressure" in workloads:
         out["pressure"] = _pressure(mode, tmp)
     return out
@@ -149,6 +190,11 @@ def _chats(mode: str, tmp: Path) -> dict:
         many["alone_s"] = alone["total_s"]
         many["vs_alone"] = round(many["total_s"] / alone["total_s"], 2)
     return many
+
+
+def _natural(mode: str, tmp: Path) -> dict:
+    with UpStack(f"--decode-reserve {mode} --num-pages {NATURAL_PAGES}", [], tmp / f"{mode}-natural") as st:
+        return _run(st, "natural", NATURAL)
 
 
 def _pressure(mode: str, tmp: Path) -> dict:
@@ -166,13 +212,14 @@ def _pressure(mode: str, tmp: Path) -> dict:
 def _table(res: dict) -> str:
     rows = [("workload", "metric", "ondemand", "full", "ondemand/full")]
     for w, keys in (("chats", ("total_s", "alone_s", "vs_alone", "peak_batch", "retractions")),
-                    ("pressure", ("output_tok_s", "total_s", "retractions", "peak_batch"))):
+                    ("natural", ("output_tok_s", "total_s", "output_tokens", "retractions", "failed", "peak_batch")),
+                    ("pressure", ("output_tok_s", "total_s", "output_tokens", "retractions", "failed", "peak_batch"))):
         if w not in res["ondemand"]:
             continue
         for k in keys:
             a, b = res["ondemand"][w][k], res["full"][w][k]
             rows.append((w, k, a, b, round(a / b, 2) if b else "-"))
-        if w == "pressure":
+        if w != "chats":
             for k in ("ttft_ms", "itl_ms"):
                 for q in ("p50", "p99"):
                     a, b = res["ondemand"][w][k][q], res["full"][w][k][q]
@@ -183,11 +230,13 @@ def _table(res: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default="", help="JSON result path (default: bench/results/decode_memory_<time>.json)")
-    p.add_argument("--workloads", default="chats,pressure", help="comma list: chats, pressure")
+    p.add_argument("--workloads", default="chats,natural,pressure", help="comma list: chats, natural, pressure")
     args = p.parse_args(argv)
     workloads = tuple(args.workloads.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="hm-decode-memory-"))
-    res = {"config": {"model": MODEL, "chats": len(CHATS), "pressure_decode_pages": PRESSURE_PAGES}}
+    res = {"config": {"model": MODEL, "chats": len(CHATS), "pressure_decode_pages": PRESSURE_PAGES,
+                      "natural_decode_pages": NATURAL_PAGES, "natural_max_tokens": NATURAL_MAX_TOKENS,
+                      "natural_requests": len(NATURAL)}}
     for mode in ("ondemand", "full"):
         res[mode] = bench_mode(mode, tmp, workloads)
     print(_table(res))

@@ -25,7 +25,8 @@ class JobState(enum.Enum):
     TRANSFER = "transfer"  # destination sent to P, waiting for P's notice
     WAITING = "waiting"    # prompt KV committed, waiting for a slot in the decode batch
     RUNNING = "running"    # in the decode batch
-    RETRACTED = "retracted"  # pool short: KV given back (full pages kept by the radix cache), waits to resume
+    RETRACTED = "retracted"  # pool short: KV given back (full pages kept by the radix cache), waits to
+    # resume; holds a lease again while D recomputes its tail (DecodeMemory.resuming)
     DONE = "done"
 
 

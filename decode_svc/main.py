@@ -10,6 +10,8 @@ import argparse
 import logging
 import os
 
+from engine.engine_args import non_negative_int
+from engine.scheduler.retraction import MAX_RETRACTIONS
 from pd_common.worker_runtime import Worker, add_common_arguments, engine_config
 
 
@@ -29,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tokens (clipped); decays per step to --min-new-token-ratio, back up on retraction")
     parser.add_argument("--min-new-token-ratio", type=float, default=0.1,
                         help="floor of the projection's ratio")
-    parser.add_argument("--max-retractions", type=int, default=3,
+    parser.add_argument("--max-retractions", type=non_negative_int, default=MAX_RETRACTIONS,
                         help="a request retracted this often is pinned: not chosen again while any "
                              "other request can be")
 

@@ -5,7 +5,8 @@
   has no K/V) and grows a page at a time before each decode step. ``full``: the old behaviour,
   ``prompt + max_tokens - 1`` slots up front, never grows, never retracts.
 * **Projection.** Admission (new requests and resumes) keeps the pages that the live requests are
-  projected to still take available (``engine.scheduler.retraction.NewTokenRatio``), so that it
+  projected to still take available (``engine.scheduler.retraction.NewTokenRatio``, which learns
+  from every request that ends by itself how much of its ``max_tokens`` it used), so that it
   rarely has to be undone. With nothing else live a request is admitted whenever it fits.
 * **Retraction.** When a decode step cannot grow a running request, the newest unpinned running
   request is retracted (``engine.scheduler.retraction.pick_victim``): its committed tokens' full
@@ -13,7 +14,10 @@
   Only RUNNING requests are candidates: P answered them, so no peer writes their pages.
 * **Resume.** A retracted request is admitted again with ``prompt + output[:-1]`` (the tokens whose
   K/V existed) as its prefix: the radix cache gives back what it kept, and D recomputes the
-  uncached tail itself with one EXTEND forward on its own runner. No new prefill leg: P has
+  uncached tail itself with EXTEND forwards on its own runner, at most ``chunk_tokens`` (the
+  engine's ``--chunked-prefill-size``) per scheduler iteration across all resuming requests, so a
+  long tail (e.g. without the radix cache: the whole sequence) does not stall the decode batch:
+  a decode step runs between chunks. No new prefill leg: P has
   forgotten the room, the router's stream stays as it is, and the tail is short (at most the last
   partial page when the cache kept everything). The job keeps its last sampled token (the next
   input), its sampler generator and its detokenizer, so its stream continues without a gap or a
@@ -50,13 +54,15 @@ class DecodeMemory:
         reserved_decode_tokens: decode slots admitted with the prompt in ondemand mode (>= 1).
         max_retractions: a request retracted this often is pinned.
         ratio: the projection (default ``NewTokenRatio()``).
+        chunk_tokens: most tokens recomputed for resumes per iteration (default: the runner's
+            ``chunked_prefill_size``).
     Raises:
-        ValueError: an unknown mode or a reserve < 1.
+        ValueError: an unknown mode, a reserve < 1 or chunk_tokens < 1.
     """
 
     def __init__(self, runner: ModelRunner, kv: CacheManager, *, mode: str = "ondemand",
                  reserved_decode_tokens: int = 128, max_retractions: int = MAX_RETRACTIONS,
-                 ratio: NewTokenRatio | None = None):
+                 ratio: NewTokenRatio | None = None, chunk_tokens: int | None = None):
         if mode not in RESERVE_MODES:
             raise ValueError(f"decode reserve mode {mode!r}: not one of {RESERVE_MODES}")
         if reserved_decode_tokens < 1:
@@ -68,14 +74,20 @@ class DecodeMemory:
         self.max_retractions = max_retractions
         self.ratio = ratio or NewTokenRatio()
         self.max_context = runner.max_context
+        self.chunk_tokens = chunk_tokens or runner.config.chunked_prefill_size
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         self.retracted: list[DecodeJob] = []  # arrival order: the oldest resumes first
+        # admitted again, tail being recomputed: job -> tokens whose K/V the row holds again
+        self.resuming: dict[DecodeJob, int] = {}
 
     @property
     def ondemand(self) -> bool:
         return self.mode == "ondemand"
 
     def __len__(self) -> int:
-        return len(self.retracted)
+        """Retracted jobs not running yet (waiting to be admitted again, or recomputing)."""
+        return len(self.retracted) + len(self.resuming)
 
     # ------------------------------------------------------------------ sizes
     def reserve_len(self, prompt_len: int, max_tokens: int) -> int:
@@ -142,39 +154,74 @@ class DecodeMemory:
         self.ratio.on_retract()
         M.DECODE_RETRACTIONS.labels(reason=reason).inc()
 
+    def on_finish(self, job: DecodeJob) -> None:
+        """A job ended by itself (stop, EOS, length): the projection learns how much it used."""
+        share = self.ratio.on_finish(len(job.output_ids), job.params.max_tokens)
+        M.DECODE_FINISHED_TOKEN_SHARE.observe(share)
+
     def discard(self, job: DecodeJob) -> None:
+        """A retracted job ended: forget it; a resuming one gives back its lease, the radix cache
+        keeping the full pages of what was recomputed so far."""
         if job in self.retracted:
             self.retracted.remove(job)
+        done = self.resuming.pop(job, None)
+        if done is not None and job.lease is not None:
+            self.kv.release(job.lease, job.kv_tokens()[:done])
+            job.lease = None
 
     def resume(self, live: Iterable[DecodeJob], settle: Callable[[], None],
                start: Callable[[DecodeJob], None]) -> None:
-        """Admit retracted jobs again, oldest first, while the projection allows; recompute each
-        one's uncached tail with an EXTEND forward, then ``start`` it (back to the waiting list).
-        ``settle`` completes the decode step in flight before D's runner runs another forward."""
-        while self.retracted:
-            job = self.retracted[0]
-            tokens = job.kv_tokens()
-            n = len(tokens)
-            held = min(n + min(self.reserve, max(1, job.params.max_tokens - len(job.output_ids))),
-                       self.max_context)
-            others, any_lease = self.headroom(j for j in live if j is not job)
-            head = 0
-            if any_lease:
-                remaining = job.params.max_tokens - len(job.output_ids)
-                want = min(n + self.ratio.projected_tokens(remaining), self.max_context)
-                head = others + max(0, self.kv.pages_for(want) - self.kv.pages_for(held))
-            lease = self.kv.admit(tokens, match_len=n, alloc_len=held, headroom_pages=head)
-            if lease is None:
-                return
-            self.retracted.pop(0)
-            job.lease = lease
-            if lease.pre_len < n:
-                settle()
-                slots = self.kv.r2t.req_to_token[lease.row, lease.pre_len:n]
-                batch = ForwardBatch.build(ForwardMode.EXTEND, [lease.row], [lease.pre_len],
-                                           [tokens[lease.pre_len:]], slots, self.runner.device)
-                self.runner.forward(batch)
-            M.DECODE_RESUME_RECOMPUTED_TOKENS.inc(n - lease.pre_len)
-            self.kv.commit(lease, tokens)
-            log.debug("resume room=%d kv_len=%d cached=%d", job.room, n, lease.pre_len)
+        """Bring retracted jobs back, oldest first: admit each again while the projection allows,
+        recompute uncached tails (at most ``chunk_tokens`` this call, so the decode step that
+        follows is not held up by a long one), and ``start`` each job whose K/V is whole again
+        (back to the waiting list). ``settle`` completes the decode step in flight before D's
+        runner runs another forward."""
+        live = list(live)
+        budget = self.chunk_tokens
+        for job in list(self.resuming):
+            budget = self._recompute(job, budget, settle, start)
+        while self.retracted and budget > 0 and self._admit(self.retracted[0], live):
+            job = self.retracted.pop(0)
+            self.resuming[job] = job.lease.pre_len
+            budget = self._recompute(job, budget, settle, start)
+
+    def _admit(self, job: DecodeJob, live: list[DecodeJob]) -> bool:
+        """A lease for ``kv_tokens()`` (matched in the radix cache) plus the reserve, or False."""
+        tokens = job.kv_tokens()
+        n = len(tokens)
+        held = min(n + min(self.reserve, max(1, job.params.max_tokens - len(job.output_ids))),
+                   self.max_context)
+        others, any_lease = self.headroom(j for j in live if j is not job)
+        head = 0
+        if any_lease:
+            remaining = job.params.max_tokens - len(job.output_ids)
+            want = min(n + self.ratio.projected_tokens(remaining), self.max_context)
+            head = others + max(0, self.kv.pages_for(want) - self.kv.pages_for(held))
+        lease = self.kv.admit(tokens, match_len=n, alloc_len=held, headroom_pages=head)
+        if lease is None:
+            return False
+        job.lease = lease
+        M.DECODE_RESUME_RECOMPUTED_TOKENS.inc(n - lease.pre_len)
+        return True
+
+    def _recompute(self, job: DecodeJob, budget: int, settle: Callable[[], None],
+                   start: Callable[[DecodeJob], None]) -> int:
+        """One EXTEND chunk (at most ``budget`` tokens) of ``job``'s tail; starts the job when its
+        tail is done. Returns the budget left."""
+        tokens = job.kv_tokens()
+        n, done = len(tokens), self.resuming[job]
+        take = min(n - done, budget)
+        if take > 0:
+            settle()
+            slots = self.kv.r2t.req_to_token[job.lease.row, done:done + take]
+            batch = ForwardBatch.build(ForwardMode.EXTEND, [job.lease.row], [done],
+                                       [tokens[done:done + take]], slots, self.runner.device)
+            self.runner.forward(batch)
+            done += take
+            self.resuming[job] = done
+        if done == n:
+            del self.resuming[job]
+            self.kv.commit(job.lease, tokens)
+            log.debug("resume room=%d kv_len=%d cached=%d", job.room, n, job.lease.pre_len)
             start(job)
+        return budget - take

@@ -77,6 +77,8 @@ class DecodeScheduler(SchedulerLoop):
         decode_reserve: "ondemand" (prompt + a reserve, grow, retract) or "full" (every slot up front).
         reserved_decode_tokens: the ondemand reserve; max_retractions: retractions before a request
             is pinned. new_token_ratio: (initial, floor) of the admission projection's ratio.
+        resume_chunk_tokens: most tokens a resume recomputes per iteration (default: the runner's
+            ``--chunked-prefill-size``).
     """
 
     def __init__(self, runner: ModelRunner, transfer: KVReceiver, net: PrefillNet, *, segment_name: str,
@@ -85,7 +87,8 @@ class DecodeScheduler(SchedulerLoop):
                  fence: FencePolicy = FencePolicy(), liveness_interval_s: float = 1.0,
                  overlap_schedule: bool = False, decode_reserve: str = "ondemand",
                  reserved_decode_tokens: int = 128, max_retractions: int = 3,
-                 new_token_ratio: tuple[float, float] = (INIT_RATIO, FLOOR_RATIO)):
+                 new_token_ratio: tuple[float, float] = (INIT_RATIO, FLOOR_RATIO),
+                 resume_chunk_tokens: int | None = None):
         super().__init__("decode-scheduler", runner.device, log)
         self.runner = runner
         self.transfer = transfer
@@ -101,7 +104,8 @@ class DecodeScheduler(SchedulerLoop):
         self.memory = DecodeMemory(runner, self.kv, mode=decode_reserve,
                                    reserved_decode_tokens=reserved_decode_tokens,
                                    max_retractions=max_retractions,
-                                   ratio=NewTokenRatio(init=new_token_ratio[0], floor=new_token_ratio[1]))
+                                   ratio=NewTokenRatio(init=new_token_ratio[0], floor=new_token_ratio[1]),
+                                   chunk_tokens=resume_chunk_tokens)
         self.running = RunningBatch(runner, self.kv, self._finish, memory=self.memory, retract=self._retract,
                                     eos_token_ids=eos_token_ids, max_running=max_running,
                                     overlap_schedule=overlap_schedule)
@@ -157,7 +161,7 @@ class DecodeScheduler(SchedulerLoop):
                 time.sleep(0.1)
 
     def idle_wait(self) -> float:
-        if self.running.busy:
+        if self.running.busy or self.memory.resuming:
             return 0.0
         return 0.01 if len(self.prealloc) or len(self.memory) else 0.1
 
@@ -221,6 +225,7 @@ class DecodeScheduler(SchedulerLoop):
 
     def _finish(self, job: DecodeJob) -> None:
         """Normal end: KV delivered and committed; release everything, end the stream."""
+        self.memory.on_finish(job)
         self._end(job, quarantine=False)
         job.out.put(None)
 
@@ -251,7 +256,7 @@ class DecodeScheduler(SchedulerLoop):
         if job.state in (JobState.WAITING, JobState.RUNNING):
             self.running.remove(job)  # frees now, or after the decode step in flight
         elif job.state is JobState.RETRACTED:
-            self.memory.discard(job)  # holds no KV
+            self.memory.discard(job)  # a lease only while its tail is being recomputed
         else:
             (self.prealloc if job.state is JobState.PREALLOC else self.kv_wait).discard(job)
             withhold = self.quarantine.hold(job) if quarantine else ()

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from engine.scheduler.retraction import MAX_RETRACTIONS
+
 CONFIGS_DIR = Path(__file__).parent / "configs"
 
 # architectures (HF "architectures"[0] or model_type) served by engine/models/llama.py
@@ -138,6 +140,8 @@ class EngineConfig:
     max_running_requests: request rows in ``req_to_token`` (also the running-batch cap).
     max_context: tokens per request row (default: the model's ``max_position_embeddings``).
     chunked_prefill_size: max prompt tokens per extend batch (a longer prompt is split).
+    max_retractions: a request preempted this often is pinned: not chosen again while another
+        running request can be (``engine.scheduler.retraction.pick_victim``); >= 0.
     kv_layout: ``"page_major"`` (all layers' K/V of a page contiguous: a page run moves in one
         transfer put) or ``"layer_major"`` (one buffer per layer per K/V); see engine/kvcache/kv_pool.py.
         Prefill and decode workers must use the same one.
@@ -153,6 +157,7 @@ class EngineConfig:
     max_running_requests: int = 64
     max_context: int | None = None
     chunked_prefill_size: int = 2048
+    max_retractions: int = MAX_RETRACTIONS
     disable_radix_cache: bool = False
     torch_threads: int | None = None
     workers_on_host: int = 1

@@ -23,6 +23,17 @@ class _Replaced(argparse.Action):
                      f"halfmoon up / serve-prefill / serve-decode), e.g. {self.replacement} 512")
 
 
+def non_negative_int(value: str) -> int:
+    """argparse type: an int >= 0 (argparse names the flag in the error)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative")
+    return n
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = parser.add_argument_group("engine")
@@ -40,6 +51,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     g.add_argument("--max-context", type=int, default=None, help="tokens per request (default: the model's)")
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    g.add_argument("--max-retractions", type=non_negative_int, default=d.max_retractions,
+                   help="a request preempted this often is pinned: not chosen again while any other "
+                        "running request can be")
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: 1 when --workers-on-host > 1, else torch's)")
@@ -58,6 +72,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
         page_size=args.page_size, kv_memory=kv_memory, num_pages=args.num_pages,
         max_running_requests=args.max_running_requests, max_context=args.max_context,
-        chunked_prefill_size=args.chunked_prefill_size, disable_radix_cache=args.disable_radix_cache,
+        chunked_prefill_size=args.chunked_prefill_size, max_retractions=args.max_retractions,
+        disable_radix_cache=args.disable_radix_cache,
         torch_threads=args.torch_threads, workers_on_host=args.workers_on_host,
         attention_backend=args.attention_backend, kv_layout=args.kv_layout)

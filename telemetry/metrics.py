@@ -96,6 +96,9 @@ decode (decode_svc)
     take (admission keeps them available); compare with ``kv_pool_pages{state="owned"}``.
   - ``halfmoon_decode_new_token_ratio`` gauge: the projection's ratio of remaining tokens a request
     is expected to still generate, in (0, 1].
+  - ``halfmoon_decode_finished_token_share`` histogram: per request that ended by itself, generated
+    / min(max_tokens, clip): the actual share that ``new_token_ratio`` projects (the ratio learns
+    its moving average); projected vs actual usage is this against the ratio gauge.
 registry (transfer_svc registry service, ``halfmoon serve-transfer``)
   - ``halfmoon_registry_workers`` gauge {role}: live registered workers; role ∈ {prefill, decode}.
   - ``halfmoon_registry_expired_leases_total`` counter: segments dropped because heartbeats stopped.
@@ -157,6 +160,7 @@ TRANSFER_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 
                     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 KV_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0, 120.0)
+SHARE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 BATCH_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -294,6 +298,10 @@ DECODE_PROJECTED_PAGES = Gauge(
 DECODE_NEW_TOKEN_RATIO = Gauge(
     "halfmoon_decode_new_token_ratio",
     "Projected share of a request's remaining tokens it will still generate.", registry=_R)
+DECODE_FINISHED_TOKEN_SHARE = Histogram(
+    "halfmoon_decode_finished_token_share",
+    "Per decode request that ended by itself: generated / min(max_tokens, projection clip).",
+    buckets=SHARE_BUCKETS, registry=_R)
 
 # --- registry -----------------------------------------------------------------------------------
 REGISTRY_WORKERS = Gauge(
@@ -353,7 +361,7 @@ METRICS_BY_GROUP: dict[str, tuple] = {
                DECODE_PREFIX_HIT_TOKENS, DECODE_GENERATED_TOKENS, DECODE_EVICTED_PAGES,
                DECODE_KV_CHECKSUM_MISMATCHES, DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES,
                DECODE_RETRACTIONS, DECODE_RESERVE_MISSES, DECODE_RESUME_RECOMPUTED_TOKENS,
-               DECODE_PROJECTED_PAGES, DECODE_NEW_TOKEN_RATIO),
+               DECODE_PROJECTED_PAGES, DECODE_NEW_TOKEN_RATIO, DECODE_FINISHED_TOKEN_SHARE),
     "registry": (REGISTRY_WORKERS, REGISTRY_EXPIRED_LEASES, REGISTRY_LOOKUPS),
 }
 # role of a process -> metric groups it exports (transfer is counted on the sender = prefill).

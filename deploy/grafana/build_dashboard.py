@@ -127,11 +127,15 @@ ROWS = [
           ("sum(rate(halfmoon_decode_reserve_misses_total[1m]))", "reserve misses"),
           ("sum(rate(halfmoon_decode_resume_recomputed_tokens_total[1m]))", "recomputed tokens")]),
         ("Decode projected vs owned pages", "timeseries", "short",
-         "Pages admission projects the live requests to still take, the pages they own now, and the "
-         "projection's new-token ratio (x100).",
+         "Pages admission projects the live requests to still take, the pages they own now, the "
+         "projection's new-token ratio (x100) and the mean share of max_tokens that finished requests "
+         "actually generated (x100, 5m; the ratio learns it).",
          [("sum by (instance) (halfmoon_decode_kv_projected_pages)", "projected {{instance}}"),
           ('sum by (instance) (halfmoon_decode_kv_pool_pages{state="owned"})', "owned {{instance}}"),
-          ("100 * max by (instance) (halfmoon_decode_new_token_ratio)", "ratio x100 {{instance}}")]),
+          ("100 * max by (instance) (halfmoon_decode_new_token_ratio)", "ratio x100 {{instance}}"),
+          ("100 * sum by (instance) (rate(halfmoon_decode_finished_token_share_sum[5m])) / "
+           "sum by (instance) (rate(halfmoon_decode_finished_token_share_count[5m]))",
+           "finished share x100 {{instance}}")]),
         ("Prefix cache hit rate", "timeseries", "percentunit",
          "Share of prompt tokens served from the radix caches (5m): prefill (not recomputed), decode (not transferred).",
          [("halfmoon:prefill_cache_hit_ratio:rate5m", "prefill"),

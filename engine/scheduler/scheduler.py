@@ -11,7 +11,8 @@ Each :meth:`Scheduler.step` runs one forward:
   decode step does not have to preempt at once.
 * **decode** otherwise: one token for every running request; when the pool is short even after
   eviction, a request is preempted, chosen by the policy the decode worker's retraction shares
-  (``engine.scheduler.retraction.pick_victim``: the newest not yet preempted too often), its
+  (``engine.scheduler.retraction.pick_victim``: the newest not yet preempted ``max_retractions``
+  times), its
   committed tokens go to the radix cache, its pages are freed, and it re-enters the waiting queue
   at the front, resuming with prompt + output.
 
@@ -65,7 +66,15 @@ class KVStats:
 
 
 class Scheduler:
+    """The co-located engine's scheduler (see the module docstring).
+
+    Raises:
+        ValueError: ``config.max_retractions`` < 0.
+    """
+
     def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: set[int]):
+        if config.max_retractions < 0:
+            raise ValueError(f"max_retractions must be >= 0, got {config.max_retractions}")
         self.runner = runner
         self.config = config
         self.alloc = runner.allocator
@@ -172,7 +181,8 @@ class Scheduler:
                 continue  # preempted meanwhile
             while not self.kv.grow(req.lease, req.seq_len):
                 victim, _ = pick_victim(self.running, arrival=lambda r: r.arrival,
-                                        retractions=lambda r: r.preemptions)
+                                        retractions=lambda r: r.preemptions,
+                                        max_retractions=self.config.max_retractions)
                 self._preempt(victim)
                 if victim is req:
                     break

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from decode_svc.jobs import JobState
+from engine.forward_batch import ForwardMode
 from engine.sampling_params import SamplingParams
 from engine.scheduler.retraction import NewTokenRatio, pick_victim
 from protos import prefill_pb2
@@ -100,6 +101,74 @@ def test_retraction_while_another_request_is_committed(model, reference):
     d.assert_idle()
 
 
+def spy_forwards(d: Decode) -> list:
+    """Record (mode, tokens) of every forward D's runner runs (the real forward still runs)."""
+    seen, real = [], d.runner.forward
+
+    def forward(batch):
+        seen.append((batch.mode, int(batch.extend_lens.sum())))
+        return real(batch)
+
+    d.runner.forward = forward
+    return seen
+
+
+def test_resume_recompute_is_chunked(model, reference):
+    """Without the radix cache a resume recomputes the whole sequence (10+ tokens); with a chunk of
+    3 tokens it takes several iterations, each with at most 3 recomputed tokens and a decode step
+    for the running batch, and every stream still equals the request run alone."""
+    d = tight(Decode(model, num_pages=14, reserved_decode_tokens=2, disable_radix_cache=True,
+                     resume_chunk_tokens=3))
+    refs = [reference(p, 25) for p in PROMPTS]
+    jobs = [d.submit(p, 25) for p in PROMPTS]
+    seen = spy_forwards(d)
+    sent, spans, interleaved = set(), 0, 0
+    for _ in range(600):
+        for j, r in zip(jobs, refs):
+            if j.state is JobState.TRANSFER and j.room in d.net.dests and j.room not in sent:
+                d.prefill(j, r[0])
+                sent.add(j.room)
+        if all(j.state is JobState.DONE for j in jobs):
+            break
+        seen.clear()
+        d.tick()
+        extend = [n for m, n in seen if m is ForwardMode.EXTEND]
+        assert sum(extend) <= 3, seen  # one chunk budget per iteration, across resuming jobs
+        if d.sched.memory.resuming:  # a tail still unfinished after this iteration
+            spans += 1
+            interleaved += any(m is ForwardMode.DECODE for m, _ in seen)
+    d.tick()
+    assert max(j.retractions for j in jobs) >= 1 and spans >= 3 and interleaved >= 1
+    for j, ref in zip(jobs, refs):
+        assert outcome(j) == (ref, None), j.request_id
+    d.assert_idle()
+
+
+def test_abort_while_the_tail_is_recomputed(model, reference):
+    """A resuming request (lease held, tail half recomputed) is aborted: it ends CANCELLED with a
+    prefix of its reference, the other finishes, and nothing stays held."""
+    d = tight(Decode(model, num_pages=8, reserved_decode_tokens=1, disable_radix_cache=True,
+                     resume_chunk_tokens=2))
+    ra, rb = reference(PROMPTS[0], 20), reference(PROMPTS[1], 20)
+    a, b = d.submit(PROMPTS[0], 20), d.submit(PROMPTS[1], 20)
+    for _ in range(200):
+        for j, r in ((a, ra), (b, rb)):
+            if j.state is JobState.TRANSFER and j.room in d.net.dests and not j.cached_tokens:
+                d.prefill(j, r[0], cached_tokens=1)
+        d.tick()
+        if b in d.sched.memory.resuming:
+            break
+    assert b in d.sched.memory.resuming and b.lease is not None and b.state is JobState.RETRACTED
+    d.sched.abort(b.room, b.request_id, "client gone")
+    d.tick()
+    toks, end = outcome(b)
+    assert code(end) is grpc.StatusCode.CANCELLED and toks == rb[:len(toks)] and b.lease is None
+    assert not d.sched.memory.resuming
+    d.run_until_done(a, limit=200)
+    assert outcome(a) == (ra, None)
+    d.assert_idle()
+
+
 def test_abort_of_a_retracted_request(model, reference):
     d = tight(Decode(model, num_pages=8, reserved_decode_tokens=1))
     ra, rb = reference(PROMPTS[0], 20), reference(PROMPTS[1], 20)
@@ -181,6 +250,73 @@ def test_projection_defers_admission(model):
     d.recv.send(prefill_pb2.KVNotice(room=a.room, ok=False))  # P's answer to the accepted destination
     d.tick()
     d.assert_idle()
+
+
+def test_projection_learns_from_finishes(model, reference):
+    """Two D's whose ratio decays to its target in one step each see one request finish after the
+    same 3 tokens: on one it ran to its max_tokens (3), on the other it stopped at its 3rd of 40
+    allowed. Then a request A of 40 tokens is pre-allocated and B of 40 arrives: where finishes used
+    all they were allowed, A is still projected at the initial 0.7 x 40 tokens (7 pages beyond its 3)
+    and B must wait; where they stopped early, A is projected at 3/40 and B is admitted at once."""
+    ref = reference(PROMPTS[2], 3)
+
+    def after_finish(max_tokens: int, **stop) -> bool:
+        d = Decode(model, num_pages=16, reserved_decode_tokens=1, disable_radix_cache=True)
+        ratio = d.sched.memory.ratio = NewTokenRatio(init=0.7, floor=0.05, decay_steps=1)
+        share0 = M.DECODE_FINISHED_TOKEN_SHARE._sum.get()
+        c = d.submit(PROMPTS[2], max_tokens, **stop)
+        drive(d, [c], [ref[0]])
+        assert len(c.output_ids) == 3
+        share = 3 / max_tokens
+        assert ratio.learned == pytest.approx(share) and ratio.value == pytest.approx(max(0.05, min(0.7, share)))
+        assert M.DECODE_FINISHED_TOKEN_SHARE._sum.get() - share0 == pytest.approx(share)
+        a = d.submit(PROMPTS[0], 40)
+        d.tick()
+        b = d.submit(PROMPTS[1], 40)
+        d.tick(2)
+        assert a.state is JobState.TRANSFER
+        admitted = b.state is not JobState.PREALLOC
+        d.sched.abort(a.room, a.request_id, "x")
+        d.sched.abort(b.room, b.request_id, "x")
+        d.tick()
+        for j in (a, b):
+            if j.room in d.net.dests:  # P's answer to each accepted destination
+                d.recv.send(prefill_pb2.KVNotice(room=j.room, ok=False))
+        d.tick(2)
+        d.assert_idle()
+        return admitted
+
+    assert not after_finish(3)                                   # ran to length: share 1.0, ratio 0.7
+    assert ref[2] not in ref[:2]                                 # so the stop id ends it at its 3rd token
+    assert after_finish(40, stop_token_ids=[ref[2]])             # stopped: share 0.075, ratio 0.075
+
+
+def test_learned_ratio_bounds_and_decay():
+    """Finishes move the decay's target within [floor, init]; a retraction resets to init."""
+    r = NewTokenRatio(init=0.6, floor=0.1, decay_steps=5, clip_tokens=100, ema_weight=0.5)
+    assert r.target == 0.1
+    assert r.on_finish(100, 100) == 1.0 and r.target == 0.6  # ran to max_tokens: stays at init
+    for _ in range(20):
+        r.step()
+    assert r.value == pytest.approx(0.6)
+    assert r.on_finish(5, 4000) == 0.05  # a chat that stopped at 5 of "the rest of the context" (clip 100)
+    assert r.learned == pytest.approx(0.525)
+    for _ in range(2):
+        r.on_finish(5, 4000)  # 0.525 -> 0.2875 -> 0.16875
+    for _ in range(20):
+        r.step()
+    assert r.value == pytest.approx(r.target) and 0.1 < r.target < 0.2
+    for _ in range(20):
+        r.on_finish(1, 4000)
+    for _ in range(20):
+        r.step()
+    assert r.value == pytest.approx(0.1)  # the learned share is below the floor: the floor holds
+    r.on_finish(100, 100)
+    assert r.value == pytest.approx(r.target) and r.target > 0.1  # longer finishes lift the value at once
+    r.on_retract()
+    assert r.value == 0.6
+    with pytest.raises(ValueError):
+        NewTokenRatio(ema_weight=0)
 
 
 def test_policy_victims_and_ratio():

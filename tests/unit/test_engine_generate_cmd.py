@@ -60,3 +60,15 @@ def test_kv_pool_flag_is_kv_memory_mb(capsys):
     assert e.value.code == 2
     assert "--kv-memory is now --kv-memory-mb" in capsys.readouterr().err
     assert "--kv-memory " not in parser.format_help()  # one documented flag
+
+
+def test_max_retractions_flag(capsys):
+    """``--max-retractions`` reaches EngineConfig (the co-located scheduler's pin limit); a negative
+    value is an argparse error naming the flag."""
+    parser = argparse.ArgumentParser(prog="halfmoon generate")
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(["--max-retractions", "5"])).max_retractions == 5
+    assert engine_config_from_args(parser.parse_args([])).max_retractions == EngineConfig().max_retractions == 3
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--max-retractions", "-1"])
+    assert e.value.code == 2 and "argument --max-retractions: -1 is negative" in capsys.readouterr().err

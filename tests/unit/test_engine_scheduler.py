@@ -192,3 +192,26 @@ def test_logprobs_and_stream(eng, reference):
     assert all(tp[0][0] == t and tp[0][1] == pytest.approx(lp) for tp, t, lp in zip(tops, toks, lps))
     assert outs[-1].finished and outs[-1].completion_tokens == 12
     assert "".join(o.text for o in outs) == eng.tokenizer.decode(toks)
+
+
+@pytest.mark.parametrize("limit", [2, 3])
+def test_max_retractions_pins_a_request(eng, limit):
+    """Two requests that cannot both finish in 10 pages, the newer one already preempted twice:
+    with max_retractions=2 it is pinned and the older one is preempted instead; with 3 the newer
+    one is still the victim. Tokens equal each request run alone either way."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ref = [eng.generate(p, params)[0].token_ids for p in PROMPTS[:2]]
+    small = _small(eng, num_pages=10, max_retractions=limit)
+    rids = [small.add_request(p, params) for p in PROMPTS[:2]]
+    reqs = list(small.scheduler.waiting)
+    reqs[1].preemptions = 2
+    toks = {r: [] for r in rids}
+    while small.has_unfinished():
+        for o in small.step():
+            toks[o.request_id] += o.token_ids
+        small.check_invariants()
+    assert [r.preemptions for r in reqs] == ([1, 2] if limit == 2 else [0, 3])
+    assert [toks[r] for r in rids] == ref
+    small.check_invariants(expect_idle=True)
+    with pytest.raises(ValueError, match="max_retractions"):
+        _small(eng, num_pages=10, max_retractions=-1)
