@@ -109,6 +109,11 @@ class OpenAITarget:
                         texts.append(piece)
                     if choice.finish_reason:
                         rec.finish_reason = choice.finish_reason
+                if req.stop_after is not None and len(rec.chunk_tokens) >= req.stop_after \
+                        and not rec.finish_reason:
+                    await stream.close()  # closing the HTTP stream makes the server abort the request
+                    rec.finish_reason = "client_stop"
+                    break
             rec.ok = bool(rec.finish_reason)
             if not rec.ok:
                 rec.error = "stream ended without a finish_reason"

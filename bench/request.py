@@ -31,6 +31,9 @@ class BenchRequest:
         turn: turn index in the conversation (0 for single-turn).
         group: shared-prefix group id, or -1.
         tag: free-form label carried into the record (e.g. the eval question index).
+        stop_after: when set, the client stops reading after this many output tokens and cancels the
+            call (the server ends the request as an abort). With dummy weights, which never emit EOS,
+            this stands in for a natural stop at a length the server cannot know in advance.
     """
 
     prompt: str | None = None
@@ -44,6 +47,7 @@ class BenchRequest:
     turn: int = 0
     group: int = -1
     tag: Any = None
+    stop_after: int | None = None
 
 
 @dataclasses.dataclass

@@ -85,13 +85,19 @@ class RouterTarget:
         msg = to_proto(send, self.model)
         texts: list[str] = []
         rec.start = time.perf_counter()
+        call = self._stub.Generate(msg, timeout=self.timeout_s)
         try:
-            async for resp in self._stub.Generate(msg, timeout=self.timeout_s):
+            async for resp in call:
                 now = time.perf_counter()
                 if resp.token_ids:
                     rec.chunk_times.append(now)
                     rec.chunk_tokens.append(len(resp.token_ids))
                     rec.token_ids.extend(resp.token_ids)
+                    if req.stop_after is not None and len(rec.token_ids) >= req.stop_after:
+                        call.cancel()  # the router aborts both legs; D frees the request's KV
+                        rec.finish_reason = "client_stop"
+                        rec.completion_tokens = len(rec.token_ids)
+                        break
                 texts.append(resp.text)
                 if resp.finish_reason:
                     rec.finish_reason = resp.finish_reason

@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--num-shots", type=int, default=5, help="gsm8k: few-shot examples")
     w.add_argument("--data-dir", default=None, help="gsm8k: folder with train/test.jsonl "
                    "(default $HALFMOON_GSM8K_DIR or ../shared/data/gsm8k)")
+    w.add_argument("--advertise-max-tokens", type=int, default=None, metavar="N",
+                   help="send max_tokens=N (0: unset, the rest of the context) while the client stops "
+                        "reading after the workload's drawn output length and cancels: the server cannot "
+                        "know a request's length in advance, as with a natural stop (dummy weights never "
+                        "emit EOS)")
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="generate exactly --output-len tokens (default on, off for gsm8k)")
     w.add_argument("--seed", type=int, default=0)
@@ -88,6 +93,8 @@ def _validate(args: argparse.Namespace) -> None:
                     "--warmup": args.warmup, "--num-shots": args.num_shots}.items():
         if v < 0:
             raise SystemExit(f"{flag}: expected >= 0, got {v}")
+    if args.advertise_max_tokens is not None and args.advertise_max_tokens < 0:
+        raise SystemExit(f"--advertise-max-tokens: expected >= 0, got {args.advertise_max_tokens}")
     if args.request_rate is not None and not args.request_rate > 0:
         raise SystemExit(f"--request-rate: expected > 0, got {args.request_rate}")
     if args.concurrency is not None and args.concurrency < 1:
@@ -97,7 +104,17 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def build_sessions(args: argparse.Namespace, num: int, seed: int) -> list[workloads.Session]:
-    """The workload's sessions for ``num`` requests."""
+    """The workload's sessions for ``num`` requests (with ``--advertise-max-tokens``: each request
+    sends that max_tokens and stops reading at its drawn output length)."""
+    sessions = _workload_sessions(args, num, seed)
+    if getattr(args, "advertise_max_tokens", None) is not None:
+        for s in sessions:
+            for r in s.requests:
+                r.stop_after, r.max_tokens = r.max_tokens, args.advertise_max_tokens
+    return sessions
+
+
+def _workload_sessions(args: argparse.Namespace, num: int, seed: int) -> list[workloads.Session]:
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.workload != "gsm8k"
     if args.workload == "gsm8k":
         return workloads.gsm8k_prompts(num, args.num_shots, args.output_len, seed, args.data_dir, ignore_eos)

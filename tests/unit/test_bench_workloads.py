@@ -82,3 +82,22 @@ def test_gsm8k_prompts_share_the_few_shot_prefix():
         assert r.prompt.startswith(prefix) and r.prompt.endswith("\nAnswer:")
         assert r.prompt.count("Question:") == 4 and r.stop == gsm8k.STOP and not r.ignore_eos
     assert [s.requests[0].tag for s in sessions] == [s.requests[0].tag for s in workloads.gsm8k_prompts(5, 3, 32, 0)]
+
+
+def test_advertise_max_tokens_sends_n_and_stops_at_the_drawn_length(words):
+    import argparse
+
+    from bench import serve
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(["--workload", "random", "--num-requests", "6", "--input-len", "32",
+                         "--output-len", "40", "--range-ratio", "0.5", "--advertise-max-tokens", "0"])
+    drawn = [r.max_tokens for s in serve._workload_sessions(args, 6, 0) for r in s.requests]
+    reqs = [r for s in serve.build_sessions(args, 6, 0) for r in s.requests]
+    assert [r.stop_after for r in reqs] == drawn and len(set(drawn)) > 1
+    assert {r.max_tokens for r in reqs} == {0}   # unset: the rest of the context
+    args.advertise_max_tokens = None
+    assert all(r.stop_after is None for s in serve.build_sessions(args, 6, 0) for r in s.requests)
+    with pytest.raises(SystemExit, match="--advertise-max-tokens"):
+        serve._validate(p.parse_args(["--advertise-max-tokens", "-1"]))
