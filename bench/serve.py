@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--data-dir", default=None, help="gsm8k: folder with train/test.jsonl "
                    "(default $HALFMOON_GSM8K_DIR or ../shared/data/gsm8k)")
     w.add_argument("--advertise-max-tokens", type=int, default=None, metavar="N",
-                   help="send max_tokens=N (0: unset, the rest of the context) while the client stops "
+                   help="send max_tokens=N (e.g. the rest of the context) while the client stops "
                         "reading after the workload's drawn output length and cancels: the server cannot "
                         "know a request's length in advance, as with a natural stop (dummy weights never "
                         "emit EOS)")
@@ -93,8 +93,8 @@ def _validate(args: argparse.Namespace) -> None:
                     "--warmup": args.warmup, "--num-shots": args.num_shots}.items():
         if v < 0:
             raise SystemExit(f"{flag}: expected >= 0, got {v}")
-    if args.advertise_max_tokens is not None and args.advertise_max_tokens < 0:
-        raise SystemExit(f"--advertise-max-tokens: expected >= 0, got {args.advertise_max_tokens}")
+    if args.advertise_max_tokens is not None and args.advertise_max_tokens < 1:
+        raise SystemExit(f"--advertise-max-tokens: expected >= 1, got {args.advertise_max_tokens}")
     if args.request_rate is not None and not args.request_rate > 0:
         raise SystemExit(f"--request-rate: expected > 0, got {args.request_rate}")
     if args.concurrency is not None and args.concurrency < 1:

@@ -3,7 +3,7 @@
 # the prefill and the decode worker sharing cuda:0, Llama-3.1-8B-shaped dummy weights (bf16) with a
 # 4096-token context, D's pool sized for 64 requests of 4k context (32 GiB = 262,144 tokens), 256
 # concurrent requests. Requests leave max_tokens unset (the rest of the context, as an OpenAI client
-# does) and the client stops reading at a drawn length (`bench serve --advertise-max-tokens 0`):
+# does) and the client stops reading at a drawn length (`bench serve --advertise-max-tokens ${ADV:-3072}`):
 # dummy weights never emit EOS, so this stands in for a natural stop D cannot know in advance.
 #   MODES="ondemand full" scripts/gpu_memory_bench.sh MODEL_DIR   (run after scripts/gpu_session.sh set-up)
 set -u
@@ -22,8 +22,8 @@ for mode in ${MODES:-ondemand full}; do
   echo "=== $mode up after ${SECONDS}s"
   python3 -m halfmoon bench serve --endpoints "$ep" --tokenizer "$model" --ignore-eos --seed 0 --no-progress \
     --no-requests --label "mem_$mode" --output "$OUT/gpu_memory_$mode.json" --workload random \
-    --input-len ${IN:-512} --output-len ${OUTLEN:-256} --range-ratio 0.5 --advertise-max-tokens 0 \
-    --num-requests ${N:-1024} --concurrency ${C:-256} --warmup 8 2>&1 | tail -24
+    --input-len ${IN:-512} --output-len ${OUTLEN:-256} --range-ratio 0.5 --advertise-max-tokens ${ADV:-3072} \
+    --num-requests ${N:-768} --concurrency ${C:-256} --warmup 8 2>&1 | tail -24
   grep -h "retract\|Traceback\|ERROR" "$OUT/mem_logs_$mode"/decode-0*.log 2>/dev/null | tail -5
   kill $up; wait $up
 done

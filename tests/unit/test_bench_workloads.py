@@ -92,12 +92,12 @@ def test_advertise_max_tokens_sends_n_and_stops_at_the_drawn_length(words):
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
     args = p.parse_args(["--workload", "random", "--num-requests", "6", "--input-len", "32",
-                         "--output-len", "40", "--range-ratio", "0.5", "--advertise-max-tokens", "0"])
+                         "--output-len", "40", "--range-ratio", "0.5", "--advertise-max-tokens", "3000"])
     drawn = [r.max_tokens for s in serve._workload_sessions(args, 6, 0) for r in s.requests]
     reqs = [r for s in serve.build_sessions(args, 6, 0) for r in s.requests]
     assert [r.stop_after for r in reqs] == drawn and len(set(drawn)) > 1
-    assert {r.max_tokens for r in reqs} == {0}   # unset: the rest of the context
+    assert {r.max_tokens for r in reqs} == {3000}
     args.advertise_max_tokens = None
     assert all(r.stop_after is None for s in serve.build_sessions(args, 6, 0) for r in s.requests)
     with pytest.raises(SystemExit, match="--advertise-max-tokens"):
-        serve._validate(p.parse_args(["--advertise-max-tokens", "-1"]))
+        serve._validate(p.parse_args(["--advertise-max-tokens", "0"]))
