@@ -10,7 +10,7 @@ import argparse
 import logging
 import os
 
-from engine.engine_args import non_negative_int
+from engine.engine_args import non_negative_float, non_negative_int
 from engine.scheduler.retraction import MAX_RETRACTIONS
 from pd_common.worker_runtime import Worker, add_common_arguments, engine_config
 
@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-retractions", type=non_negative_int, default=MAX_RETRACTIONS,
                         help="a request retracted this often is pinned: not chosen again while any "
                              "other request can be")
+    parser.add_argument("--queue-keepalive", type=non_negative_float, default=10.0,
+                        help="seconds between empty DecodeChunks on a Generate stream that has sent "
+                             "nothing yet while its request waits in D (admission queue, KV wait): the "
+                             "router's --first-token-timeout then counts from D's last sign of life; 0 = off")
 
 
 def _tokenizer(runner, model: str):
@@ -88,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     holder["s"] = sched
     sched.start()
     servicer = DecodeServicer(sched, args.worker_id, vocab_size=runner.vocab_size,
-                              max_context=runner.max_context, tokenizer=tok)
+                              max_context=runner.max_context, tokenizer=tok,
+                              queue_keepalive_s=args.queue_keepalive)
     name = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
     w.start_server(lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s), name)
     w.publish_and_serve()

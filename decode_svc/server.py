@@ -4,31 +4,43 @@
 can never fit, both before anything is allocated), hands it to the scheduler thread and streams
 what the scheduler puts on the request's queue. A cancelled stream (router/client gone) aborts the
 request; every chunk is one token (the first carries P's token).
+
+Keepalive: until the first token, while the request waits in D (admission queue, KV wait, batch
+slot), an empty ``DecodeChunk`` goes out every ``queue_keepalive_s`` seconds, so the router can tell
+a queued request on a live D from a D that went silent (its first-token timer restarts on each one).
+None is ever sent after the first token.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 
 import grpc
 
-from decode_svc.jobs import DecodeJob
+from decode_svc.jobs import DecodeJob, JobState
 from decode_svc.scheduler import DecodeScheduler
 from engine.errors import InvalidRequestError
 from pd_common.protocol import ServiceError, validate_request
-from protos import common_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("halfmoon.decode")
 
+# states in which a request that has streamed nothing is queued in D, not computing
+_QUEUED = frozenset({JobState.PREALLOC, JobState.TRANSFER, JobState.WAITING, JobState.RETRACTED})
+
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    """Args: queue_keepalive_s: seconds between empty chunks before the first token (0 = none)."""
+
     def __init__(self, scheduler: DecodeScheduler, worker_id: str, *, vocab_size: int,
-                 max_context: int, tokenizer=None):
+                 max_context: int, tokenizer=None, queue_keepalive_s: float = 10.0):
         self.sched = scheduler
         self.worker_id = worker_id
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.tokenizer = tokenizer
+        self.queue_keepalive_s = queue_keepalive_s
 
     def Generate(self, request, context):
         try:
@@ -54,12 +66,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                                params.skip_special_tokens)
         self.sched.submit(job)
         context.add_callback(lambda: job.finish_reason or self.sched.abort_job(job, "decode stream cancelled"))
+        sent = False
         while True:
-            item = job.out.get()
+            try:
+                item = job.out.get(timeout=self.queue_keepalive_s if self.queue_keepalive_s and not sent else None)
+            except queue.Empty:
+                if job.state in _QUEUED:  # read off the scheduler thread; still before the first token either way
+                    yield decode_pb2.DecodeChunk()
+                continue
             if item is None:
                 return
             if isinstance(item, ServiceError):
                 context.abort(item.code, str(item))
+            sent = True
             yield item
 
     def Abort(self, request, context):

@@ -5,6 +5,7 @@ co-located engine). Names and meanings match the flags of the prefill/decode wor
 from __future__ import annotations
 
 import argparse
+import math
 
 from engine.config import EngineConfig
 from engine.device import check_device, device_spec
@@ -32,6 +33,17 @@ def non_negative_int(value: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"{n} is negative")
     return n
+
+
+def non_negative_float(value: str) -> float:
+    """argparse type: a finite float >= 0 (argparse names the flag in the error)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a finite number >= 0")
+    return x
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

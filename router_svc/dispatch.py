@@ -135,7 +135,9 @@ class Dispatcher:
         pool: prefill and decode workers.
         prefill_policy, decode_policy: one policy per role.
         max_attempts: pairs tried per request before failing (2 = retry once).
-        first_token_timeout: seconds to wait for D's first chunk before the attempt fails.
+        first_token_timeout: seconds without any chunk from D (a token or a keepalive of a request
+            queued in D) before the first token, after which the attempt fails; the request's
+            deadline still bounds the total.
         request_timeout: default deadline (seconds) when the client sets none.
         admission: rate limits and the admission queue bound (default: none).
         tenants: every tenant a request can come from (their metric series exist from the start).
@@ -291,7 +293,8 @@ class Dispatcher:
             self.count(status, start, prep.tenant)
 
     async def _first_chunk(self, legs: _Legs, abort_wait: asyncio.Future, deadline: float):
-        """Wait for D's first chunk with tokens; None when aborted. Raises _LegFailure."""
+        """Wait for D's first chunk with tokens; None when aborted. Raises _LegFailure: DEADLINE_EXCEEDED
+        when D sent nothing (no token, no keepalive) for ``first_token_timeout`` s."""
         read = legs.read()
         wait_until = min(deadline, time.monotonic() + self.first_token_timeout)
         try:
@@ -305,7 +308,7 @@ class Dispatcher:
                     if time.monotonic() >= deadline:
                         raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the first token")
                     raise _LegFailure(DECODE, legs.d, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      f"no first token within {self.first_token_timeout:.0f} s")
+                                      f"no first token and no keepalive within {self.first_token_timeout:g} s")
                 if legs.p_task in done and legs.p_result is None:
                     exc = legs.p_task.exception() if not legs.p_task.cancelled() else asyncio.CancelledError()
                     if exc is not None:
@@ -324,7 +327,9 @@ class Dispatcher:
                     if chunk.finish_reason:
                         raise _LegFailure(DECODE, legs.d, grpc.StatusCode.ABORTED,
                                           f"finished with {chunk.finish_reason!r} before the first token")
-                    read = legs.read()  # a header chunk without tokens: keep waiting
+                    # D's keepalive (the request is queued there): a sign of life restarts the timer
+                    wait_until = min(deadline, time.monotonic() + self.first_token_timeout)
+                    read = legs.read()
         finally:
             _discard(read)
 
@@ -339,6 +344,40 @@ class Dispatcher:
         n_tokens = 0
         last_emit = None
         while True:
+            if chunk is None:
+                read = legs.read()
+                try:
+                    done, _ = await asyncio.wait({read, abort_wait}, timeout=max(0.0, deadline - time.monotonic()),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    # the client's deadline cancels this handler while D's call, bound by the same
+                    # deadline, may already have failed: the read's exception must still be retrieved
+                    _discard(read)
+                if abort_wait in done or not done:
+                    if not done:
+                        raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                          f"deadline passed after {n_tokens} tokens")
+                    legs.close(abort=True, reason=handle.reason, background=self._background)
+                    usage.completion_tokens = n_tokens
+                    yield router_pb2.GenerateResponse(text=detok.flush(), finish_reason="abort", usage=usage, **meta)
+                    return
+                exc = read.exception() if not read.cancelled() else asyncio.CancelledError()
+                chunk = read.result() if exc is None else None
+                if exc is not None or chunk is grpc.aio.EOF:
+                    code, detail = _code_of(exc) if exc is not None else (grpc.StatusCode.UNAVAILABLE, "stream ended without a finish reason")
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline:
+                        raise RouterError(code, f"deadline passed after {n_tokens} tokens")
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        probe = asyncio.ensure_future(self.pool.probe(legs.d))
+                        self._background.add(probe)
+                        probe.add_done_callback(self._background.discard)
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                      f"decode worker {legs.d.worker_id} ({legs.d.address}) failed after {n_tokens} "
+                                      f"tokens were sent: {code.name}: {detail}")
+                if not chunk.token_ids and not chunk.finish_reason:
+                    # D sends keepalives only before the first token; an empty chunk is never relayed
+                    chunk = None
+                    continue
             _merge_usage(usage, chunk)
             n_tokens += len(chunk.token_ids)
             text = detok.extend(chunk.token_ids)
@@ -372,35 +411,7 @@ class Dispatcher:
             yield resp
             if finish:
                 return
-            read = legs.read()
-            try:
-                done, _ = await asyncio.wait({read, abort_wait}, timeout=max(0.0, deadline - time.monotonic()),
-                                             return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                # the client's deadline cancels this handler while D's call, bound by the same
-                # deadline, may already have failed: the read's exception must still be retrieved
-                _discard(read)
-            if abort_wait in done or not done:
-                if not done:
-                    raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      f"deadline passed after {n_tokens} tokens")
-                legs.close(abort=True, reason=handle.reason, background=self._background)
-                usage.completion_tokens = n_tokens
-                yield router_pb2.GenerateResponse(text=detok.flush(), finish_reason="abort", usage=usage, **meta)
-                return
-            exc = read.exception() if not read.cancelled() else asyncio.CancelledError()
-            chunk = read.result() if exc is None else None
-            if exc is not None or chunk is grpc.aio.EOF:
-                code, detail = _code_of(exc) if exc is not None else (grpc.StatusCode.UNAVAILABLE, "stream ended without a finish reason")
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline:
-                    raise RouterError(code, f"deadline passed after {n_tokens} tokens")
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    probe = asyncio.ensure_future(self.pool.probe(legs.d))
-                    self._background.add(probe)
-                    probe.add_done_callback(self._background.discard)
-                raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                                  f"decode worker {legs.d.worker_id} ({legs.d.address}) failed after {n_tokens} "
-                                  f"tokens were sent: {code.name}: {detail}")
+            chunk = None
 
 
 def _merge_usage(usage: router_pb2.Usage, chunk: decode_pb2.DecodeChunk) -> None:

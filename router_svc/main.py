@@ -57,7 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (cache_aware prefix matching)")
     p.add_argument("--health-interval", type=float, default=0.5, help="seconds between worker health/load polls")
     p.add_argument("--max-attempts", type=int, default=2, help="PD pairs tried per request (2 = retry once)")
-    p.add_argument("--first-token-timeout", type=float, default=120.0, help="seconds to wait for the first token")
+    p.add_argument("--first-token-timeout", type=float, default=120.0,
+                   help="seconds without any sign of life from D (a token, or a keepalive of a request "
+                        "queued there: serve-decode --queue-keepalive) before the first token, after "
+                        "which the attempt fails and is retried; --request-timeout still bounds the total")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline (seconds) when the client sets none")
     p.add_argument("--log-level", default="INFO")
     # for the router's channels to workers and registry; its own face to clients is API-key based

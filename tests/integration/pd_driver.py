@@ -29,7 +29,9 @@ class PDResult:
     tokens: every output token id (P's first token included), in order.
     finish_reason: "stop" | "length" | "abort" | "" (stream broke before a finish).
     decode_error / prefill_error: (grpc.StatusCode name, details) of a failed leg, else None.
-    chunks: the DecodeChunk messages as received; prefill: the PrefillResult (or None).
+    chunks: the DecodeChunk messages as received, D's keepalives (empty chunks) left out;
+    keepalives: for each keepalive, how many tokens had arrived before it.
+    prefill: the PrefillResult (or None).
     """
 
     request_id: str
@@ -39,6 +41,7 @@ class PDResult:
     finish_reason: str = ""
     matched_stop: str = ""
     chunks: list = field(default_factory=list)
+    keepalives: list[int] = field(default_factory=list)
     prefill: object | None = None
     decode_error: tuple[str, str] | None = None
     prefill_error: tuple[str, str] | None = None
@@ -151,6 +154,9 @@ class PDCall:
         r = self.result
         try:
             for chunk in self._stream:
+                if chunk == decode_pb2.DecodeChunk():  # a keepalive: the request is queued in D
+                    r.keepalives.append(len(r.tokens))
+                    continue
                 r.chunks.append(chunk)
                 r.tokens.extend(chunk.token_ids)
                 r.logprobs.extend(chunk.logprobs)

@@ -5,6 +5,9 @@ without ``max_tokens`` on ``halfmoon up``'s default pool.
   fits: 8 requests that each end at 6 pages
   cannot all hold their KV at once, so D retracts and resumes (recomputing tails itself) again and
   again; every request's greedy tokens must still equal the co-located engine's.
+* The same stack with ``--queue-keepalive 1``: while one long request holds most of the pool, a
+  second request waits in D's admission queue; its Generate stream gets empty keepalive chunks
+  before its first token (none after), then exactly the co-located engine's tokens.
 * 16 concurrent OpenAI chats without ``max_tokens`` (each may use the rest of the 8192-token
   context) through the router on ``halfmoon up``'s default stack: all 16 must be in D's running
   batch at once and finish within a bounded time. With D reserving ``prompt + max_tokens - 1``
@@ -22,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.integration.conftest import MODEL, assert_idle_accounting, get_load, model_available, start_stack
-from tests.integration.pd_driver import PDDriver, colocated_generate
+from tests.integration.pd_driver import PDDriver, colocated_generate, sampling
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="SmolLM2 is not pulled (halfmoon models pull)")
 
@@ -36,27 +39,67 @@ def scrape(metrics_address: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-def test_greedy_under_heavy_retraction_equals_colocated(tmp_path):
+TINY_PAGES = 24  # D's pool in pages of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def tok():
     from transformers import AutoTokenizer
 
     from engine.model_store import resolve_model
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_model(MODEL)))
+    return AutoTokenizer.from_pretrained(str(resolve_model(MODEL)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    with start_stack(tmp_path_factory.mktemp("tiny"), decode_pages=TINY_PAGES,
+                     decode_extra=["--num-reserved-decode-tokens", "16", "--max-retractions", "4",
+                                   "--init-new-token-ratio", "0.01", "--min-new-token-ratio", "0.01",
+                                   "--queue-keepalive", "1"]) as st:
+        yield st
+
+
+def test_greedy_under_heavy_retraction_equals_colocated(tiny, tok):
     prompts = [tok.encode(f"Entry {i}. " + TEXT)[:40] for i in range(8)]
     max_tokens = 48
     ref = colocated_generate(prompts, max_tokens)
-    with start_stack(tmp_path, decode_pages=24,
-                     decode_extra=["--num-reserved-decode-tokens", "16", "--max-retractions", "4",
-                                   "--init-new-token-ratio", "0.01", "--min-new-token-ratio", "0.01"]) as st:
-        drv = PDDriver(st.prefill_addr, st.decode_addr, timeout_s=80)
-        results = drv.generate_many(prompts, max_tokens=max_tokens, concurrency=len(prompts))
+    drv = PDDriver(tiny.prefill_addr, tiny.decode_addr, timeout_s=80)
+    results = drv.generate_many(prompts, max_tokens=max_tokens, concurrency=len(prompts))
+    drv.close()
+    for r, want in zip(results, ref):
+        assert r.ok, (r.decode_error, r.prefill_error)
+        assert r.tokens == want
+    assert scrape(tiny.decode.metrics_address, "halfmoon_decode_retractions_total") >= 2
+    assert scrape(tiny.decode.metrics_address, "halfmoon_decode_resume_recomputed_tokens_total") > 0
+    assert_idle_accounting(tiny)
+
+
+OTHER_TEXT = ("A lighthouse keeper wrote down the colour of the sea each morning, the birds she saw and "
+              "the boats that passed her rock. ")
+
+
+def test_queued_request_gets_keepalives_then_reference_tokens(tiny, tok):
+    # A: 176 prompt + 120 output tokens (19 of the 24 pages at the end), admitted with 12 pages;
+    # B: 200 prompt tokens + the 16-token reserve = 14 pages, sharing no page with A: B can only be
+    # admitted once A is done, ~120 decode steps (seconds on a CPU) after A's first token
+    a_prompt = tok.encode(TEXT * 8)[:176]
+    b_prompt = tok.encode(OTHER_TEXT * 8)[:200]
+    want = colocated_generate([b_prompt], 12)[0]
+    drv = PDDriver(tiny.prefill_addr, tiny.decode_addr, timeout_s=120)
+    try:
+        a = drv.start(a_prompt, sampling(120, ignore_eos=True))
+        assert a.first_chunk(60), "A got no first token"
+        b = drv.start(b_prompt, sampling(12))
+        rb, ra = b.wait(), a.wait()
+    finally:
         drv.close()
-        for r, want in zip(results, ref):
-            assert r.ok, (r.decode_error, r.prefill_error)
-            assert r.tokens == want
-        assert scrape(st.decode.metrics_address, "halfmoon_decode_retractions_total") >= 2
-        assert scrape(st.decode.metrics_address, "halfmoon_decode_resume_recomputed_tokens_total") > 0
-        assert_idle_accounting(st)
+    assert ra.ok and len(ra.tokens) == 120, (ra.decode_error, ra.prefill_error, len(ra.tokens))
+    assert rb.ok, (rb.decode_error, rb.prefill_error)
+    assert rb.keepalives and set(rb.keepalives) == {0}, rb.keepalives  # only before its first token
+    assert rb.tokens == want
+    assert set(ra.keepalives) <= {0}
+    assert_idle_accounting(tiny)
 
 
 # greedy answers of 10-50 tokens, each ending on EOS (a bounded run; no max_tokens is sent)
