@@ -30,6 +30,7 @@ class Worker:
         kv_signature: what its KV pool looks like (:func:`kv_signature` of the ``KVLayout`` it published
             in the registry), or None when unknown (static list): a prefill and a decode worker can
             move KV pages between them only when their signatures are equal.
+        kv_page_bytes: bytes of one page over every layer's K and V (from the registry), 0 when unknown.
     """
 
     worker_id: str
@@ -46,6 +47,7 @@ class Worker:
     failures: int = 0          # health checks failed or timed out in a row
     last_error: str = ""
     kv_signature: tuple | None = None
+    kv_page_bytes: int = 0
 
     @property
     def available(self) -> bool:
@@ -89,6 +91,12 @@ def kv_signature(kv_layout) -> tuple | None:
     if not kv_layout.layout:
         return None
     return tuple(getattr(kv_layout, f) for f in KV_SIGNATURE_FIELDS)
+
+
+def kv_page_bytes(kv_layout) -> int:
+    """Bytes of one whole page (every layer's K and V) of a ``registry_pb2.KVLayout``."""
+    return 2 * kv_layout.num_layers * kv_layout.page_bytes if kv_layout.layout == "layer_major" \
+        else kv_layout.page_stride_bytes
 
 
 def kv_compatible(a: Worker, b: Worker) -> bool:
