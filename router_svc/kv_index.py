@@ -33,6 +33,8 @@ class WorkerKVIndex:
     page_size: int = 0
     pages: set[int] = field(default_factory=set)
     resyncs: int = 0  # snapshots applied after the first (gaps, dropped streams, restarts)
+    stored_total: int = 0  # pages in STORED / REMOVED runs applied (snapshots not counted)
+    removed_total: int = 0
 
     def apply(self, batch: kv_events_pb2.KVEventBatch) -> None:
         """Apply one batch of a subscription.
@@ -56,8 +58,10 @@ class WorkerKVIndex:
         for run in batch.runs:
             if run.kind == kv_events_pb2.KVPageRun.STORED:
                 self.pages.update(run.page_hashes)
+                self.stored_total += len(run.page_hashes)
             else:
                 self.pages.difference_update(run.page_hashes)
+                self.removed_total += len(run.page_hashes)
         self.seq = batch.seq
 
     def match(self, keys: list[int]) -> int:
@@ -85,6 +89,11 @@ class KVEventIndex:
         """Leading pages of ``keys`` the worker holds (0 for a worker not yet synchronised)."""
         idx = self.workers.get(worker_id)
         return 0 if idx is None else idx.match(keys)
+
+    def size(self, worker_id: str) -> int:
+        """Pages the worker holds (0 when not yet synchronised)."""
+        idx = self.workers.get(worker_id)
+        return 0 if idx is None else len(idx.pages)
 
     def forget(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)

@@ -76,6 +76,8 @@ class KVSubscriber:
                     backoff = 0.0
             except grpc.aio.UsageError:  # the pool closed the channel: the worker was removed
                 return
+            except Exception:  # never let the subscription die: the index would go stale silently
+                log.exception("KV events of %s: unexpected failure; resubscribing", self.worker.worker_id)
             finally:
                 self._call.cancel()
                 self._call = None

@@ -9,7 +9,7 @@ available pair whose KV pools match::
                + prefill_load  * P.load_score()  + decode_load * D.load_score()
 
 Hits come from :class:`router_svc.kv_index.KVEventIndex` (exact, from the workers' events); loads
-from ``GetLoad`` plus the requests dispatched since. The cheapest pair wins; ties go round robin.
+from ``GetLoad`` plus the requests dispatched since. The cheapest pair wins; among equals, the pair caching the fewest pages, then round robin.
 The terms are in "prefill tokens": with the defaults a queued request on P costs as much as
 computing 64 prompt tokens, one on D as much as 8, and moving one MiB of KV as computing one token.
 Pages of a worker whose layout is unknown (static list) count as 1 MiB.
@@ -108,6 +108,9 @@ class KVPairPolicy:
         costs = [(self.cost(p, d, keys, len(input_ids)), p, d) for p, d in pairs]
         best = min(c.total for c, _, _ in costs)
         ties = [(c, p, d) for c, p, d in costs if c.total == best]
+        # a prefix nobody holds goes where least is cached, so new conversations spread out
+        least = min(self.index.size(p.worker_id) + self.index.size(d.worker_id) for _, p, d in ties)
+        ties = [t for t in ties if self.index.size(t[1].worker_id) + self.index.size(t[2].worker_id) == least]
         cost, p, d = ties[self._rr % len(ties)]
         self._rr += 1
         p.dispatched_since_report += 1

@@ -75,6 +75,8 @@ class Worker:
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.enable_retries", 0),
                 ("grpc.keepalive_time_ms", 10_000),
+                # a restarted worker is back within seconds: do not wait out gRPC's 120 s backoff cap
+                ("grpc.max_reconnect_backoff_ms", 2_000),
             ])
             stub_cls = prefill_pb2_grpc.PrefillStub if self.role == PREFILL else decode_pb2_grpc.DecodeStub
             self.stub = stub_cls(self.channel)
