@@ -133,3 +133,21 @@ def test_pair_cost_pairs_the_holders():
     assert pol.pick([p0, p1], [d0, d1], prompt)[0] is p0
     with pytest.raises(ValueError, match="--kv-decode-load-weight"):
         PairWeights(decode_load=-1)
+
+
+def test_router_flags_of_the_other_mode_are_refused():
+    import argparse
+
+    from router_svc import main
+
+    p = argparse.ArgumentParser()
+    main.add_arguments(p)
+    assert main.pair_policy_from_args(p.parse_args([])) is None
+    pol = main.pair_policy_from_args(p.parse_args(["--policy", "kv_events", "--kv-transfer-mib-weight", "3"]))
+    assert pol.weights.transfer_mib == 3 and pol.weights.prefill_token == 1
+    with pytest.raises(SystemExit, match="--kv-decode-load-weight needs --policy kv_events"):
+        main.pair_policy_from_args(p.parse_args(["--kv-decode-load-weight", "2"]))
+    with pytest.raises(SystemExit, match="--prefill-policy is for --policy per_role"):
+        main.pair_policy_from_args(p.parse_args(["--policy", "kv_events", "--prefill-policy", "least_load"]))
+    with pytest.raises(SystemExit, match="--kv-prefill-token-weight must be >= 0"):
+        main.pair_policy_from_args(p.parse_args(["--policy", "kv_events", "--kv-prefill-token-weight", "-1"]))
