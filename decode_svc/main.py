@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
                             max_retractions=args.max_retractions,
                             new_token_ratio=(args.init_new_token_ratio, args.min_new_token_ratio))
     holder["s"] = sched
+    w.attach_kv_events(sched)
     sched.start()
     servicer = DecodeServicer(sched, args.worker_id, vocab_size=runner.vocab_size,
                               max_context=runner.max_context, tokenizer=tok,

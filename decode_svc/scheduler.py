@@ -95,7 +95,9 @@ class DecodeScheduler(SchedulerLoop):
         self.net = net
         self.tokenizer = tokenizer
         alloc = runner.allocator
-        cache = NullPrefixCache() if disable_radix_cache else RadixCache(runner.page_size, alloc)
+        cache = NullPrefixCache() if disable_radix_cache else RadixCache(runner.page_size, alloc,
+                                                                         enable_events=True)
+        self.event_cache = cache
         self.page_sums = PageChecksums(runner.kv_pool) if checksums and cache.enabled else None
         self.kv = CacheManager(alloc, runner.req_to_token_pool, cache, on_evict=M.DECODE_EVICTED_PAGES.inc,
                                on_cached=self.page_sums and self.page_sums.record)

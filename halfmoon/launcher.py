@@ -125,6 +125,7 @@ class StackConfig:
     decode: int = 1
     base_port: int = 50050
     host: str = "127.0.0.1"
+    policy: str = "per_role"        # the router's --policy; kv_events picks the pair (no per-role policies)
     prefill_policy: str = "cache_aware"
     decode_policy: str = "cache_aware"
     page_size: int = 16
@@ -243,8 +244,7 @@ class Stack:
             p.start()
         router = Proc("router", ["serve-router", "--model", c.model, "--host", c.host, "--port", str(self._port(0)),
                                  "--http-port", str(self._port(1)), "--metrics-port", str(self._port(2)),
-                                 "--registry", registry, "--prefill-policy", c.prefill_policy,
-                                 "--decode-policy", c.decode_policy, "--page-size", str(c.page_size),
+                                 "--registry", registry, *self._policy_args(), "--page-size", str(c.page_size),
                                  *creds.process_args("router"), *creds.router_args(), *c.router_args],
                       self.log_dir / "router.log", _ROUTER_RE, extra_env={"OMP_NUM_THREADS": "1"})
         self.procs.append(router)
@@ -263,6 +263,12 @@ class Stack:
                                          "pid": p.popen.pid})
         self._wait_router_sees_workers(rg, n, deadline)
         return self.endpoints
+
+    def _policy_args(self) -> list[str]:
+        c = self.cfg
+        if c.policy == "kv_events":
+            return ["--policy", "kv_events"]
+        return ["--prefill-policy", c.prefill_policy, "--decode-policy", c.decode_policy]
 
     def _wait_router_sees_workers(self, address: str, n: int, deadline: float) -> None:
         from protos import router_pb2, router_pb2_grpc
@@ -317,10 +323,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--base-port", type=int, default=50050, help="first port of the plan (0 = all free ports)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of every process")
-    p.add_argument("--prefill-policy", default="cache_aware", choices=POLICY_NAMES,
-                   help="how the router picks a prefill worker")
-    p.add_argument("--decode-policy", default="cache_aware", choices=POLICY_NAMES,
-                   help="how the router picks a decode worker")
+    p.add_argument("--policy", default="per_role", choices=("per_role", "kv_events"),
+                   help="router: per_role (--prefill-policy / --decode-policy) or kv_events (the pair "
+                        "together, from the workers' KV events)")
+    p.add_argument("--prefill-policy", default=None, choices=POLICY_NAMES,
+                   help="how the router picks a prefill worker (per_role; default cache_aware)")
+    p.add_argument("--decode-policy", default=None, choices=POLICY_NAMES,
+                   help="how the router picks a decode worker (per_role; default cache_aware)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (workers and router)")
     p.add_argument("--kv-memory-mb", type=float, default=384.0,
                    help="KV pool per prefill worker (MiB); the default holds one full-context (8192-token) "
@@ -387,8 +396,11 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         for dev in spec.split(","):
             if not re.fullmatch(r"cpu|cuda(:\d+)?", dev.strip()):
                 raise SystemExit(f"up: {flag}: {dev.strip()!r} is not cpu, cuda or cuda:N")
+    if args.policy == "kv_events" and (args.prefill_policy or args.decode_policy):
+        raise SystemExit("up: --prefill-policy / --decode-policy are for --policy per_role")
     return StackConfig(auth=auth_mode(args), tls_dir=args.tls_dir, model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
-                       host=args.host, prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+                       host=args.host, policy=args.policy, prefill_policy=args.prefill_policy or "cache_aware",
+                       decode_policy=args.decode_policy or "cache_aware",
                        page_size=args.page_size, kv_memory_mb=args.kv_memory_mb,
                        decode_kv_memory_mb=args.decode_kv_memory_mb, torch_threads=args.torch_threads,
                        log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,

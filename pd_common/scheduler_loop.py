@@ -37,10 +37,17 @@ class SchedulerLoop(ABC):
         self._device = device
         self._log = log
         self._stop = False
+        self.kv_events = None  # a pd_common.kv_events.KVEventPublisher, fed from event_cache
+        self.event_cache = None  # the subclass's radix cache (enable_events=True)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def publish_kv_events(self) -> None:
+        """Hand the radix cache's new events to the publisher (scheduler thread, every iteration)."""
+        if self.kv_events is not None and self.event_cache is not None and self.event_cache.enabled:
+            self.kv_events.publish(self.event_cache.drain_events())
 
     def abort_job(self, job, reason: str) -> None:
         """Queue the abort of ``job`` itself (its call or stream ended): nothing happens unless it is
@@ -68,6 +75,7 @@ class SchedulerLoop(ABC):
             try:
                 self.inbox.drain(self.idle_wait(), self.handle)
                 self.iterate()
+                self.publish_kv_events()
             except Exception:
                 self._log.exception("%s iteration failed", self._thread.name)
                 self.on_iteration_error()

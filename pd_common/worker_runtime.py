@@ -165,6 +165,7 @@ class Worker:
         self.registry = None
         self.transfer = None
         self.server = None
+        self.kv_events = None  # KVEventPublisher, served next to the service when set
         self.health = None
         self.grpc_address = ""
         self.metrics_address = ""
@@ -195,6 +196,15 @@ class Worker:
                  runner.allocator.num_pages, ucx_transports(a.transport, loc) or "(UCX's choice)")
         return self.transfer
 
+    def attach_kv_events(self, sched) -> None:
+        """Publish ``sched``'s radix cache events on ``halfmoon.v1.KVEvents`` (call after
+        ``start_transfer``, before the scheduler starts)."""
+        from pd_common.kv_events import KVEventPublisher
+
+        self.kv_events = KVEventPublisher(self.worker_id, self.args.page_size)
+        self.kv_events.incarnation = self.transfer.incarnation
+        sched.kv_events = self.kv_events
+
     def start_server(self, add_service, service_name: str, max_workers: int = 64) -> None:
         a = self.args
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
@@ -202,12 +212,18 @@ class Worker:
                                   interceptors=[*self.credentials.server_interceptors(),
                                                 InvalidRequestInterceptor()])
         add_service(self.server)
+        names = [service_name]
+        if self.kv_events is not None:
+            from pd_common import kv_events
+
+            kv_events.add_to_server(self.kv_events, self.server)
+            names.append(kv_events.SERVICE_NAME)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for name in ("", service_name):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         reflection.enable_server_reflection(
-            (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
         port = self.credentials.add_port(self.server, f"{a.host}:{a.port}")
         log.info("cluster identity: %s", self.credentials.mode)
@@ -244,6 +260,8 @@ class Worker:
                 self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.registry is not None:
             self.registry.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.server is not None:
             self.server.stop(grace=1.0).wait()
         if stop_service is not None:

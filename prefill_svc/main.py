@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
                              disable_radix_cache=args.disable_radix_cache,
                              lease_valid_for=w.registry.lease_valid_for,
                              lease_fence_margin_s=args.lease_fence_margin)
+    w.attach_kv_events(sched)
     sched.start()
     servicer = PrefillServicer(sched, transfer, args.worker_id, vocab_size=runner.vocab_size,
                                max_context=runner.max_context)

@@ -69,7 +69,9 @@ class PrefillScheduler(SchedulerLoop):
         self.ps = runner.page_size
         self.alloc = runner.allocator
         self.r2t = runner.req_to_token_pool
-        self.cache = NullPrefixCache() if disable_radix_cache else RadixCache(self.ps, self.alloc)
+        self.cache = NullPrefixCache() if disable_radix_cache else RadixCache(self.ps, self.alloc,
+                                                                              enable_events=True)
+        self.event_cache = self.cache
         self.book = DestinationBook(destination_timeout_s)
         # the same description of this pool that the worker publishes
         self.geometry = PoolGeometry.from_layout(kv_layout(runner.kv_pool, runner.config.model))

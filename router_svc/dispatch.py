@@ -39,6 +39,7 @@ from protos import common_pb2, decode_pb2, prefill_pb2, router_pb2
 from router_svc.admission import Admission, Ticket
 from router_svc.api_keys import ANONYMOUS
 from router_svc.errors import RouterError
+from router_svc.pair_policy import KVPairPolicy
 from router_svc.policies import NoWorkerError, Policy
 from router_svc.pool import WorkerPool
 from router_svc.tokenizer import RouterTokenizer
@@ -134,6 +135,7 @@ class Dispatcher:
         tok: the served model's tokenizer (detokenization of streamed tokens).
         pool: prefill and decode workers.
         prefill_policy, decode_policy: one policy per role.
+        pair_policy: when set (``--policy kv_events``), picks P and D together instead.
         max_attempts: pairs tried per request before failing (2 = retry once).
         first_token_timeout: seconds without any chunk from D (a token or a keepalive of a request
             queued in D) before the first token, after which the attempt fails; the request's
@@ -145,7 +147,8 @@ class Dispatcher:
 
     def __init__(self, tok: RouterTokenizer, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy,
                  max_attempts: int = 2, first_token_timeout: float = 120.0, request_timeout: float = 600.0,
-                 admission: Admission | None = None, tenants: tuple[str, ...] = (ANONYMOUS,)) -> None:
+                 admission: Admission | None = None, tenants: tuple[str, ...] = (ANONYMOUS,),
+                 pair_policy: KVPairPolicy | None = None) -> None:
         self.tok = tok
         self.pool = pool
         self.prefill_policy = prefill_policy
@@ -153,8 +156,9 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.first_token_timeout = first_token_timeout
         self.request_timeout = request_timeout
+        self.pair_policy = pair_policy
         pool.policies = [prefill_policy, decode_policy]
-        self.policy_label = f"{prefill_policy.name}/{decode_policy.name}"
+        self.policy_label = pair_policy.name if pair_policy else f"{prefill_policy.name}/{decode_policy.name}"
         self.admission = admission or Admission()
         M.init_router_series(self.policy_label, tenants, REQUEST_STATUSES)
         self._inflight: dict[tuple[str, str], _Inflight] = {}
@@ -223,7 +227,11 @@ class Dispatcher:
             attempt = 0
             for attempt in range(self.max_attempts):
                 try:
-                    p, d = self.pool.pick_pair(self.prefill_policy, self.decode_policy, prep.input_ids, tried)
+                    if self.pair_policy is not None:
+                        p, d = self.pair_policy.pick(self.pool.by_role(PREFILL), self.pool.by_role(DECODE),
+                                                     prep.input_ids, tried)
+                    else:
+                        p, d = self.pool.pick_pair(self.prefill_policy, self.decode_policy, prep.input_ids, tried)
                 except NoWorkerError as exc:
                     if last is not None:
                         break

@@ -3,7 +3,7 @@
 Example::
 
     halfmoon serve-router --model smollm2-135m-instruct --port 50050 --http-port 8000 \\
-        --metrics-port 9100 --registry 127.0.0.1:50053 --prefill-policy cache_aware --decode-policy least_load
+        --metrics-port 9100 --registry 127.0.0.1:50053 --policy kv_events
 
 Prints ``READY router grpc=<host:port> http=<host:port> metrics=<host:port>`` once serving. The
 gRPC health status (service "" and "halfmoon.v1.Router") is SERVING while at least one healthy
@@ -34,7 +34,9 @@ from security.flags import add_cluster_auth_args
 from router_svc import front_door
 from router_svc.dispatch import Dispatcher
 from router_svc.grpc_service import RouterServicer, SendAfterDeadlineFilter
+from router_svc.kv_index import KVEventIndex
 from router_svc.openai_api import build_app
+from router_svc.pair_policy import KVPairPolicy, PairWeights
 from router_svc.policies import POLICY_NAMES, make_policy
 from router_svc.pool import WorkerPool
 from router_svc.tokenizer import RouterTokenizer
@@ -52,8 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", default="", help="registry host:port; workers come from WatchWorkers")
     p.add_argument("--prefill", default="", help="static prefill workers host:port,... (instead of --registry)")
     p.add_argument("--decode", default="", help="static decode workers host:port,... (instead of --registry)")
-    p.add_argument("--prefill-policy", default="cache_aware", choices=POLICY_NAMES)
-    p.add_argument("--decode-policy", default="cache_aware", choices=POLICY_NAMES)
+    p.add_argument("--policy", default="per_role", choices=("per_role", "kv_events"),
+                   help="per_role: P and D each by its --prefill-policy / --decode-policy; kv_events: the pair "
+                        "together, by the workers' KV events (router_svc/pair_policy.py)")
+    p.add_argument("--prefill-policy", default=None, choices=POLICY_NAMES, help="with --policy per_role (default cache_aware)")
+    p.add_argument("--decode-policy", default=None, choices=POLICY_NAMES, help="with --policy per_role (default cache_aware)")
+    for name, default, what in (("prefill-token", 1.0, "per prompt token P computes"),
+                                ("transfer-mib", 1.0, "per MiB of KV pages P writes to D"),
+                                ("prefill-load", 64.0, "per request queued or running on P"),
+                                ("decode-load", 8.0, "per request on D")):
+        p.add_argument(f"--kv-{name}-weight", type=float, default=None,
+                       help=f"with --policy kv_events: cost {what} (default {default})")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (cache_aware prefix matching)")
     p.add_argument("--health-interval", type=float, default=0.5, help="seconds between worker health/load polls")
     p.add_argument("--max-attempts", type=int, default=2, help="PD pairs tried per request (2 = retry once)")
@@ -66,6 +77,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # for the router's channels to workers and registry; its own face to clients is API-key based
     add_cluster_auth_args(p)
     front_door.add_arguments(p)
+
+
+_WEIGHTS = ("prefill_token", "transfer_mib", "prefill_load", "decode_load")
+
+
+def pair_policy_from_args(args: argparse.Namespace) -> KVPairPolicy | None:
+    """The ``kv_events`` pair policy of the flags, or None with ``--policy per_role``.
+
+    Raises:
+        SystemExit: a flag of the other mode was given (it would be ignored), or a negative weight.
+    """
+    given = {w: getattr(args, f"kv_{w}_weight") for w in _WEIGHTS if getattr(args, f"kv_{w}_weight") is not None}
+    if args.policy == "per_role":
+        if given:
+            flag = "--kv-" + next(iter(given)).replace("_", "-") + "-weight"
+            raise SystemExit(f"serve-router: {flag} needs --policy kv_events")
+        return None
+    for flag, v in (("--prefill-policy", args.prefill_policy), ("--decode-policy", args.decode_policy)):
+        if v is not None:
+            raise SystemExit(f"serve-router: {flag} is for --policy per_role; --policy kv_events picks the pair")
+    try:
+        weights = PairWeights(**given)
+    except ValueError as e:
+        raise SystemExit(f"serve-router: {e}") from None
+    return KVPairPolicy(KVEventIndex(), args.page_size, weights)
 
 
 def _split(s: str) -> list[str]:
@@ -83,10 +119,14 @@ async def serve(args: argparse.Namespace) -> int:
     tok = RouterTokenizer(args.model if not os.path.isdir(args.model) else model_dir.name, model_dir)
     pool = WorkerPool(model_names=(tok.card.id, str(model_dir)), health_interval=args.health_interval,
                       credentials=credentials)
-    dispatcher = Dispatcher(tok, pool, make_policy(args.prefill_policy, args.page_size),
-                            make_policy(args.decode_policy, args.page_size), max_attempts=args.max_attempts,
-                            first_token_timeout=args.first_token_timeout, request_timeout=args.request_timeout,
-                            admission=door.admission, tenants=door.keys.tenants)
+    pair_policy = pair_policy_from_args(args)
+    if pair_policy is not None:
+        pool.kv_index = pair_policy.index
+    dispatcher = Dispatcher(tok, pool, make_policy(args.prefill_policy or "cache_aware", args.page_size),
+                            make_policy(args.decode_policy or "cache_aware", args.page_size),
+                            max_attempts=args.max_attempts, first_token_timeout=args.first_token_timeout,
+                            request_timeout=args.request_timeout, admission=door.admission,
+                            tenants=door.keys.tenants, pair_policy=pair_policy)
     if args.registry:
         pool.watch_registry(args.registry)
     pool.add_static(_split(args.prefill), _split(args.decode))

@@ -27,7 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import common_pb2, registry_pb2, registry_pb2_grpc
 from security import OPEN, ClusterCredentials
 from router_svc.policies import NoWorkerError, Policy
-from router_svc.worker import DECODE, PREFILL, Worker, kv_compatible, kv_mismatch, kv_signature
+from router_svc.kv_index import KVEventIndex
+from router_svc.kv_subscriber import KVSubscriber
+from router_svc.worker import DECODE, PREFILL, Worker, kv_compatible, kv_mismatch, kv_page_bytes, kv_signature
 
 log = logging.getLogger("halfmoon.router.pool")
 
@@ -43,11 +45,13 @@ class WorkerPool:
         check_timeout: seconds one check may take before it counts as timed out.
         max_timeouts: timed-out checks in a row that make a worker unhealthy.
         credentials: the router's cluster credentials, for its channels to workers and registry.
+        kv_index: when set, every worker's ``KVEvents`` stream is followed into it (``kv_events``
+            policy).
     """
 
     def __init__(self, model_names: tuple[str, ...] = (), health_interval: float = 0.5,
                  check_timeout: float = 5.0, max_timeouts: int = 3,
-                 credentials: ClusterCredentials = OPEN) -> None:
+                 credentials: ClusterCredentials = OPEN, kv_index: KVEventIndex | None = None) -> None:
         self.model_names = tuple(model_names)
         self.credentials = credentials
         self.health_interval = health_interval
@@ -56,6 +60,8 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self.policies: list[Policy] = []
         self._tasks: dict[str, asyncio.Task] = {}
+        self.kv_index = kv_index
+        self._subscribers: dict[str, KVSubscriber] = {}
         self._registry_task: asyncio.Task | None = None
         self.changed = asyncio.Event()
 
@@ -71,6 +77,9 @@ class WorkerPool:
         w.connect(self.credentials)
         self.workers[worker_id] = w
         self._tasks[worker_id] = asyncio.get_running_loop().create_task(self._poll(w))
+        if self.kv_index is not None:
+            self._subscribers[worker_id] = KVSubscriber(w, self.kv_index)
+            self._subscribers[worker_id].start()
         log.info("worker added: %s %s %s", role, worker_id, address)
         self._notify()
         return w
@@ -85,6 +94,10 @@ class WorkerPool:
         task = self._tasks.pop(worker_id, None)
         if task is not None:
             task.cancel()
+        sub = self._subscribers.pop(worker_id, None)
+        if sub is not None:
+            sub.stop()
+            self.kv_index.forget(worker_id)
         for p in self.policies:
             p.forget(worker_id)
         if w.channel is not None:
@@ -244,6 +257,7 @@ class WorkerPool:
                     else:
                         w = self.add(rec.worker_id, role, rec.grpc_address)
                         w.kv_signature = kv_signature(rec.segment.kv_layout)
+                        w.kv_page_bytes = kv_page_bytes(rec.segment.kv_layout)
                         seen.add(rec.worker_id)
             except asyncio.CancelledError:
                 raise

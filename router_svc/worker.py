@@ -30,6 +30,7 @@ class Worker:
         kv_signature: what its KV pool looks like (:func:`kv_signature` of the ``KVLayout`` it published
             in the registry), or None when unknown (static list): a prefill and a decode worker can
             move KV pages between them only when their signatures are equal.
+        kv_page_bytes: bytes of one page over every layer's K and V (from the registry), 0 when unknown.
     """
 
     worker_id: str
@@ -46,6 +47,7 @@ class Worker:
     failures: int = 0          # health checks failed or timed out in a row
     last_error: str = ""
     kv_signature: tuple | None = None
+    kv_page_bytes: int = 0
 
     @property
     def available(self) -> bool:
@@ -73,6 +75,8 @@ class Worker:
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.enable_retries", 0),
                 ("grpc.keepalive_time_ms", 10_000),
+                # a restarted worker is back within seconds: do not wait out gRPC's 120 s backoff cap
+                ("grpc.max_reconnect_backoff_ms", 2_000),
             ])
             stub_cls = prefill_pb2_grpc.PrefillStub if self.role == PREFILL else decode_pb2_grpc.DecodeStub
             self.stub = stub_cls(self.channel)
@@ -89,6 +93,12 @@ def kv_signature(kv_layout) -> tuple | None:
     if not kv_layout.layout:
         return None
     return tuple(getattr(kv_layout, f) for f in KV_SIGNATURE_FIELDS)
+
+
+def kv_page_bytes(kv_layout) -> int:
+    """Bytes of one whole page (every layer's K and V) of a ``registry_pb2.KVLayout``."""
+    return 2 * kv_layout.num_layers * kv_layout.page_bytes if kv_layout.layout == "layer_major" \
+        else kv_layout.page_stride_bytes
 
 
 def kv_compatible(a: Worker, b: Worker) -> bool:
