@@ -11,8 +11,9 @@ naming the field). vLLM-style extras are accepted: ``top_k``, ``min_p``, ``repet
 
 Bodies are parsed strictly: a field of the wrong JSON type (``"max_tokens": "5"``, ``"stream": 1``)
 or one the models do not declare is a 400 naming it, never coerced or dropped; OpenAI fields the
-router cannot honour yet (a non-empty ``logit_bias``, ``best_of`` != 1, ``echo``, ``suffix``) are
-refused by name.
+router cannot honour yet (``best_of`` != 1, ``n`` != 1, ``echo``, ``suffix``) are refused by name.
+``logit_bias`` (token id strings -> bias in [-100, 100]) and ``response_format`` (``text``,
+``json_object``, ``json_schema``; on completions too, as vLLM) are honoured by the workers' sampler.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Annotated, AsyncIterator, Literal
+from typing import Annotated, Any, AsyncIterator, Literal
 
 import grpc
 from fastapi import FastAPI, Request
@@ -50,6 +51,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(BaseModel):
     model_config = _STRICT
     model: str = ""
@@ -71,8 +86,9 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Int32] | None = None
     request_id: str | None = None
-    # OpenAI fields that are refused unless they ask for the default (see _sampling)
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None  # completions too, as vLLM
+    # refused unless it asks for the default (see _sampling)
     best_of: Int32 | None = None
 
 
@@ -105,8 +121,6 @@ class ChatRequest(_Common):
 def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
     if body.n != 1:
         raise RouterError.invalid("n", f"only n=1 is supported, got {body.n}")
-    if body.logit_bias:
-        raise RouterError.invalid("logit_bias", "is not supported yet; send none or {}")
     if body.best_of is not None and body.best_of != 1:
         raise RouterError.invalid("best_of", f"only best_of=1 is supported, got {body.best_of}")
     if body.stream_options is not None and not body.stream:
@@ -123,7 +137,29 @@ def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> common_pb2.Sa
         s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     if body.stop_token_ids:
         s.stop_token_ids.extend(body.stop_token_ids)
+    for key, bias in (body.logit_bias or {}).items():
+        # OpenAI's keys are token ids as strings; validate_sampling checks the id and bias ranges
+        if not key.strip().isdigit() or int(key) >= 2**31:
+            raise RouterError.invalid("logit_bias", f"keys must be token ids (integers as strings), got {key!r}")
+        s.logit_bias[int(key)] = bias
+    _response_format(body.response_format, s)
     return s
+
+
+def _response_format(rf: ResponseFormat | None, s: common_pb2.SamplingParams) -> None:
+    """``response_format`` -> ``sampling.structured``; its schema is compiled in prepare()."""
+    if rf is None or rf.type == "text":
+        if rf is not None and rf.json_schema is not None:
+            raise RouterError.invalid("response_format", "json_schema is only allowed with type json_schema")
+        return
+    if rf.type == "json_object":
+        if rf.json_schema is not None:
+            raise RouterError.invalid("response_format", "json_schema is only allowed with type json_schema")
+        s.structured.json_object = True
+        return
+    if rf.json_schema is None:
+        raise RouterError.invalid("response_format", "type json_schema needs a json_schema object")
+    s.structured.json_schema = json.dumps(rf.json_schema.schema_)
 
 
 def completion_to_proto(body: CompletionRequest) -> router_pb2.GenerateRequest:
@@ -270,8 +306,10 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
         arrival = time.monotonic()
         try:
             prep = prepare(req, dispatcher.tok, default_max_tokens=None if chat else DEFAULT_MAX_TOKENS)
-        except RouterError:
+        except RouterError as exc:
             dispatcher.count("invalid", arrival)
+            if exc.param == "structured":  # the gRPC field is this body's response_format
+                raise RouterError.invalid("response_format", exc.message.removeprefix("structured: ")) from exc
             raise
         model = card.id
         created = int(time.time())

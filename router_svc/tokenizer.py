@@ -46,6 +46,18 @@ class RouterTokenizer:
         vocab = max(int(config.get("vocab_size") or 0), len(self.hf))
         self.card = ModelCard(id=model_id, path=Path(model_dir), max_context=max_ctx, vocab_size=vocab)
         self.backend = self.hf.backend_tokenizer  # tokenizers.Tokenizer: the streamed text's detokenizer
+        self._grammars = None
+
+    @property
+    def grammars(self):
+        """The router's ``engine.grammar.GrammarCompiler`` (built on first use), used to refuse an
+        invalid grammar before any worker is asked; workers compile the same spec again."""
+        if self._grammars is None:
+            from engine.grammar import GrammarCompiler
+
+            eos = [self.hf.eos_token_id] if self.hf.eos_token_id is not None else None
+            self._grammars = GrammarCompiler(self.hf, self.card.vocab_size, eos)
+        return self._grammars
 
     @property
     def has_chat_template(self) -> bool:

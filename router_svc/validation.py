@@ -11,6 +11,9 @@ import math
 import uuid
 from dataclasses import dataclass
 
+from engine.errors import InvalidRequestError
+from engine.sampling_params import MAX_LOGIT_BIAS
+from pd_common.protocol import structured_from_proto
 from protos import common_pb2, router_pb2
 from router_svc.errors import RouterError
 from router_svc.tokenizer import RouterTokenizer
@@ -42,8 +45,8 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def validate_sampling(s: common_pb2.SamplingParams, vocab_size: int) -> None:
-    """Check every sampling field's range.
+def validate_sampling(s: common_pb2.SamplingParams, vocab_size: int, tok: RouterTokenizer | None = None) -> None:
+    """Check every sampling field's range (and, given ``tok``, compile ``structured``).
 
     Raises:
         RouterError: INVALID_ARGUMENT with ``param`` set to the offending field.
@@ -71,6 +74,18 @@ def validate_sampling(s: common_pb2.SamplingParams, vocab_size: int) -> None:
     for tid in s.stop_token_ids:
         if not (0 <= tid < vocab_size):
             raise RouterError.invalid("stop_token_ids", f"token id {tid} is outside [0, {vocab_size})")
+    for tid, bias in s.logit_bias.items():
+        if not (0 <= tid < vocab_size):
+            raise RouterError.invalid("logit_bias", f"token id {tid} is outside [0, {vocab_size})")
+        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise RouterError.invalid("logit_bias", f"bias of token {tid} must be in [-100, 100], got {bias}")
+    if tok is not None:
+        try:
+            spec = structured_from_proto(s)
+            if spec is not None:
+                tok.grammars.compile(spec)
+        except InvalidRequestError as exc:
+            raise RouterError.invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from exc
 
 
 def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
@@ -91,7 +106,7 @@ def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
     if req.model and req.model not in (card.id, str(card.path)):
         raise RouterError.invalid("model", f"unknown model {req.model!r}; this router serves {card.id!r}",
                                   err_code="model_not_found")
-    validate_sampling(req.sampling, card.vocab_size)
+    validate_sampling(req.sampling, card.vocab_size, tok)
     which = req.WhichOneof("input")
     if which == "text":
         if not req.text:

@@ -212,7 +212,9 @@ _BAD_TYPE = {
     "user": [1, [], {}], "top_k": ["1", 1.5, True], "min_p": ["0", []], "repetition_penalty": ["1", True],
     "ignore_eos": ["yes", 1], "stop_token_ids": [1, ["1"], [1.5], "x"], "request_id": [1, [], {}],
     "stream_options": ["x", 1, [], {"include_usage": "yes"}, {"bogus": True}],
-    "logit_bias": ["x", 1, [], {"a": "b"}, {"1": "x"}, {"1": 5}],
+    "logit_bias": ["x", 1, [], {"a": "b"}, {"1": "x"}, {"1": 500}, {"-3": 1}, {"99999999": 1}],
+    "response_format": ["x", 1, [], {}, {"type": "yaml"}, {"type": "json_schema"},
+                        {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}}],
     "best_of": ["1", 2, 1.5],
 }
 _BAD_COMPLETION = {"prompt": [None, 1, {}, [1.5], [[None]], [["a"]], True, [1, "a"]],
