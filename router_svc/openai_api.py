@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 from protos import common_pb2, router_pb2
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import RouterError
+from router_svc.tool_calls import NAME_RE, ToolMode
 from router_svc.validation import DEFAULT_MAX_TOKENS, prepare
 
 
@@ -105,14 +106,57 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # forced calls are always grammar-enforced
+
+
+class ToolDef(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None   # assistant
+    tool_call_id: str | None = None              # tool
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage]
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
@@ -184,22 +228,71 @@ def completion_to_proto(body: CompletionRequest) -> router_pb2.GenerateRequest:
     return req
 
 
-def chat_to_proto(body: ChatRequest) -> router_pb2.GenerateRequest:
-    """Map a /v1/chat/completions body (text content parts only)."""
+def tool_mode(body: ChatRequest) -> ToolMode | None:
+    """``tools`` / ``tool_choice`` -> how the output becomes tool calls (None: no tools in play).
+
+    Raises:
+        RouterError: "tools" (empty, bad or duplicate names), "tool_choice" (no tools, unknown
+            function, or with a response_format), "messages" (a tool message without tool_call_id).
+    """
+    for i, m in enumerate(body.messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise RouterError.invalid("messages", f"message {i}: a tool message needs tool_call_id")
+        if m.role != "tool" and m.tool_call_id is not None:
+            raise RouterError.invalid("messages", f"message {i}: tool_call_id is only for tool messages")
+        if m.role != "assistant" and m.tool_calls is not None:
+            raise RouterError.invalid("messages", f"message {i}: tool_calls is only for assistant messages")
+    choice = body.tool_choice
+    if body.tools is None:
+        if choice not in (None, "none"):
+            raise RouterError.invalid("tool_choice", "needs tools")
+        return None
+    if not body.tools:
+        raise RouterError.invalid("tools", "must hold at least one tool (or leave tools out)")
+    names = [t.function.name for t in body.tools]
+    for n in names:
+        if not NAME_RE.match(n):
+            raise RouterError.invalid("tools", f"function name {n!r} must match {NAME_RE.pattern}")
+    if len(set(names)) != len(names):
+        raise RouterError.invalid("tools", "function names must be unique")
+    if choice == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise RouterError.invalid("tool_choice", f"function {choice.function.name!r} is not in tools")
+        mode = ToolMode("named", tools, choice.function.name, body.parallel_tool_calls)
+    else:
+        mode = ToolMode(choice or "auto", tools, parallel=body.parallel_tool_calls)
+    if mode.schema() is not None and body.response_format is not None and body.response_format.type != "text":
+        raise RouterError.invalid("tool_choice", "a forced tool call cannot be combined with response_format")
+    return mode
+
+
+def chat_to_proto(body: ChatRequest) -> tuple[router_pb2.GenerateRequest, ToolMode | None]:
+    """Map a /v1/chat/completions body (text content parts only); also returns its tool mode."""
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens = body.max_completion_tokens
     top = body.top_logprobs or 0
     if top and not body.logprobs:
         raise RouterError.invalid("top_logprobs", "needs logprobs: true")
+    mode = tool_mode(body)
     req = router_pb2.GenerateRequest(request_id=body.request_id or f"chatcmpl-{uuid.uuid4().hex}", model=body.model,
                                      sampling=_sampling(body, body.logprobs, top))
     req.chat.SetInParent()
+    if mode is not None:
+        req.chat.tools_json = json.dumps(mode.tools)
+        schema = mode.schema()
+        if schema is not None:
+            req.sampling.structured.json_schema = json.dumps(schema)
     for m in body.messages:
         content = m.content or ""
         if isinstance(content, list):   # TextPart: only text parts parse
             content = "".join(part.text for part in content)
-        req.chat.messages.add(role=m.role, content=content)
-    return req
+        msg = req.chat.messages.add(role=m.role, content=content, tool_call_id=m.tool_call_id or "")
+        if m.tool_calls:
+            msg.tool_calls_json = json.dumps([c.model_dump() for c in m.tool_calls])
+    return req, mode
 
 
 def _usage(u: router_pb2.Usage) -> dict:
@@ -246,6 +339,16 @@ class _Logprobs:
         for key, value in part.items():
             acc[key].extend(value)
         return acc
+
+
+def _tool_result(tools: ToolMode, text: str, finish_reason: str):
+    """(content, calls) of a finished output; a forced call cut by max_tokens stays content."""
+    try:
+        return tools.parse(text)
+    except ValueError:
+        if finish_reason == "length":
+            return text, []
+        raise
 
 
 def _error_response(exc: RouterError) -> JSONResponse:
@@ -300,9 +403,11 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await _serve(request, chat_to_proto(body), body, chat=True)
+        req, tools = chat_to_proto(body)
+        return await _serve(request, req, body, chat=True, tools=tools)
 
-    async def _serve(request: Request, req: router_pb2.GenerateRequest, body: _Common, chat: bool):
+    async def _serve(request: Request, req: router_pb2.GenerateRequest, body: _Common, chat: bool,
+                     tools: ToolMode | None = None):
         arrival = time.monotonic()
         try:
             prep = prepare(req, dispatcher.tok, default_max_tokens=None if chat else DEFAULT_MAX_TOKENS)
@@ -322,11 +427,11 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
             # both attempts failed, a worker's RESOURCE_EXHAUSTED) get their HTTP status and body.
             first = await anext(stream)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream(first, stream, rid, model, created, chat, lp, include_usage),
+            return StreamingResponse(_stream(first, stream, rid, model, created, chat, lp, include_usage, tools),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, stream, rid, model, created, obj, chat, lp)
+        return await _collect(request, stream, rid, model, created, obj, chat, lp, tools)
 
-    async def _collect(request, stream, rid, model, created, obj, chat, lp):
+    async def _collect(request, stream, rid, model, created, obj, chat, lp, tools):
         async def consume():
             text, logprobs, last = [], None, None
             async for resp in stream:
@@ -345,7 +450,13 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
                                                "param": None, "code": "cancelled"}}, status_code=499)
         text, logprobs, last = task.result()  # raises RouterError -> handler
         choice = {"index": 0, "logprobs": logprobs, "finish_reason": last.finish_reason}
-        if chat:
+        if chat and tools is not None:
+            content, calls = _tool_result(tools, text, last.finish_reason)
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = [c.openai() for c in calls]
+                choice["finish_reason"] = "tool_calls"
+        elif chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -357,14 +468,29 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
         async for resp in stream:
             yield resp
 
-    async def _stream(first, stream, rid, model, created, chat, lp, include_usage) -> AsyncIterator[bytes]:
+    async def _stream(first, stream, rid, model, created, chat, lp, include_usage, tools) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": created, "model": model}
         try:
             if chat:
                 yield _sse(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]))
+            held, held_lp = [], None  # tool mode: the output is parsed whole, sent in the last chunk
             async for resp in _chain(first, stream):
+                if tools is not None:
+                    held.append(resp.text)
+                    held_lp = _Logprobs.merge(held_lp, lp.convert(resp.logprobs))
+                    if not resp.finish_reason:
+                        continue
+                    content, calls = _tool_result(tools, "".join(held), resp.finish_reason)
+                    delta = {"content": content} if content else {}
+                    if calls:
+                        delta["tool_calls"] = [c.openai(index=i) for i, c in enumerate(calls)]
+                    yield _sse(dict(base, choices=[{"index": 0, "delta": delta, "logprobs": held_lp,
+                                                    "finish_reason": "tool_calls" if calls else resp.finish_reason}]))
+                    if include_usage:
+                        yield _sse(dict(base, choices=[], usage=_usage(resp.usage)))
+                    continue
                 if not resp.text and not resp.finish_reason and not resp.logprobs:
                     continue
                 choice = {"index": 0, "logprobs": lp.convert(resp.logprobs), "finish_reason": resp.finish_reason or None}

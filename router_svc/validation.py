@@ -7,6 +7,7 @@ Ranges follow OpenAI / vLLM semantics (protos/common.proto documents each sampli
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from dataclasses import dataclass
@@ -42,6 +43,16 @@ class PreparedRequest:
 def _finite(name: str, value: float) -> float:
     if not math.isfinite(value):
         raise RouterError.invalid(name, f"must be a finite number, got {value}")
+    return value
+
+
+def _json_list(text: str, field: str, what: str) -> list:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise RouterError.invalid(field, f"{what} is not JSON: {exc}") from exc
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise RouterError.invalid(field, f"{what} must be a JSON array of objects")
     return value
 
 
@@ -121,14 +132,22 @@ def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
             raise RouterError.invalid(field, f"token id {bad[0]} is outside [0, {card.vocab_size})")
     elif which == "chat":
         field = "messages"
-        msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        msgs = []
+        for i, m in enumerate(req.chat.messages):
+            msg = {"role": m.role, "content": m.content}
+            if m.tool_calls_json:
+                msg["tool_calls"] = _json_list(m.tool_calls_json, field, f"message {i} tool_calls_json")
+            if m.tool_call_id:
+                msg["tool_call_id"] = m.tool_call_id
+            msgs.append(msg)
+        tools = _json_list(req.chat.tools_json, "tools", "tools_json") if req.chat.tools_json else None
         if not msgs:
             raise RouterError.invalid(field, "must hold at least one message")
         for i, m in enumerate(msgs):
             if m["role"] not in ("system", "user", "assistant", "tool", "developer"):
                 raise RouterError.invalid(field, f"message {i} has unknown role {m['role']!r}")
         try:
-            ids = tok.encode_chat(msgs)
+            ids = tok.encode_chat(msgs, tools)
         except Exception as exc:  # template errors are the client's input problem
             raise RouterError.invalid(field, f"chat template failed: {exc}") from exc
     else:

@@ -186,3 +186,95 @@ def test_bad_grammar_through_grpc_names_structured(stub):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(router_pb2.GenerateRequest(text=PROMPT, sampling=s), timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured" in e.value.details()
+
+
+# ---------------------------------------------------------------- tools
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_call(call, name: str, schema: dict) -> dict:
+    assert call.type == "function" and call.id and call.function.name == name
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, schema)
+    return args
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_choice_gives_a_valid_call(client, choice):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                       temperature=0, max_tokens=80)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+    names = {"get_weather": WEATHER, "get_time": TIME}
+    for call in c.message.tool_calls:
+        _check_call(call, call.function.name, names[call.function.name]["function"]["parameters"])
+    if isinstance(choice, dict):
+        assert [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+
+
+def test_tool_call_round_trip(client, stack):
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           temperature=0, max_tokens=60)
+    call = first.choices[0].message.tool_calls[0]
+    args = _check_call(call, "get_weather", WEATHER["function"]["parameters"])
+    messages = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id,
+                       "content": json.dumps({"city": args["city"], "temperature": 21, "sky": "sunny"})}]
+    final = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                           temperature=0, max_tokens=30)
+    c = final.choices[0]
+    assert c.message.tool_calls is None and c.message.content and c.finish_reason in ("stop", "length")
+    # the call and its result reached the prompt: more than the question alone (tool_choice none
+    # offers no tools, as vLLM by default)
+    alone = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                           temperature=0, max_tokens=1)
+    assert final.usage.prompt_tokens > alone.usage.prompt_tokens + 20
+    assert_idle_accounting(worker_targets(stack))
+
+
+def test_forced_tool_call_streamed(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=80,
+        stream=True))
+    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].index == 0 and deltas[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(deltas[0].function.arguments), WEATHER["function"]["parameters"])
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+def test_auto_tool_choice_answers_or_calls(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=60)
+    c = r.choices[0]
+    if c.message.tool_calls:
+        assert c.finish_reason == "tool_calls"
+        _check_call(c.message.tool_calls[0], "get_weather", {"type": "object"})
+    else:
+        assert c.message.content and "<tool_call>" not in c.message.content
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "response_format"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+])
+def test_bad_tool_fields_are_400_naming_them(client, extra, param):
+    body = dict({"messages": ASK, "max_tokens": 2}, **extra)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, **body)
+    assert e.value.body["param"] == param, e.value.body
