@@ -29,6 +29,7 @@ from engine.errors import InvalidRequestError
 # the JSON shape of the output: compact separators, no free whitespace (a small model given
 # "any whitespace" tends to emit newlines until max_tokens)
 _JSON_OPTS = dict(any_whitespace=False)
+MAX_GRAMMAR_CHARS = 65536  # a longer schema / regex / grammar is refused (compile time and memory)
 
 
 class GrammarKind(str, enum.Enum):
@@ -91,10 +92,13 @@ class GrammarCompiler:
         """-> xgrammar CompiledGrammar.
 
         Raises:
-            InvalidRequestError: ``spec.field``, when the schema / regex / grammar does not parse
-                or uses what xgrammar cannot enforce.
+            InvalidRequestError: ``spec.field``, when the schema / regex / grammar does not parse,
+                uses what xgrammar cannot enforce, or is longer than ``MAX_GRAMMAR_CHARS``.
         """
         c = self._compiler
+        if len(spec.source) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(spec.field, f"{spec.kind.value} of {len(spec.source)} characters exceeds "
+                                                  f"{MAX_GRAMMAR_CHARS}")
         try:
             if spec.kind is GrammarKind.JSON_OBJECT:
                 return c.compile_json_schema('{"type": "object"}', **_JSON_OPTS)

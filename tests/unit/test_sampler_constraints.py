@@ -71,7 +71,8 @@ def test_json_schema_on_random_logits(compiler):
                                   GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "nope"}'),
                                   GrammarSpec(GrammarKind.JSON_SCHEMA, "[1]"),
                                   GrammarSpec(GrammarKind.REGEX, "("), GrammarSpec(GrammarKind.REGEX, ""),
-                                  GrammarSpec(GrammarKind.EBNF, "root ::= ")])
+                                  GrammarSpec(GrammarKind.EBNF, "root ::= "),
+                                  GrammarSpec(GrammarKind.REGEX, "a" * 70000)])
 def test_invalid_grammars_name_the_field(compiler, spec):
     with pytest.raises(InvalidRequestError) as e:
         compiler[1].compile(spec)
