@@ -56,6 +56,21 @@ def _json_list(text: str, field: str, what: str) -> list:
     return value
 
 
+def _template_calls(calls: list[dict]) -> list[dict]:
+    """OpenAI tool calls (arguments as JSON text) as chat templates take them (arguments an object,
+    as vLLM passes them), so a template's ``tojson`` does not encode them twice."""
+    out = []
+    for c in calls:
+        fn = dict(c.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass  # not JSON: the template gets the text as sent
+        out.append(dict(c, function=fn))
+    return out
+
+
 def validate_sampling(s: common_pb2.SamplingParams, vocab_size: int, tok: RouterTokenizer | None = None) -> None:
     """Check every sampling field's range (and, given ``tok``, compile ``structured``).
 
@@ -136,11 +151,12 @@ def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
         for i, m in enumerate(req.chat.messages):
             msg = {"role": m.role, "content": m.content}
             if m.tool_calls_json:
-                msg["tool_calls"] = _json_list(m.tool_calls_json, field, f"message {i} tool_calls_json")
+                calls = _json_list(m.tool_calls_json, "tool_calls_json", f"message {i}")
+                msg["tool_calls"] = _template_calls(calls)
             if m.tool_call_id:
                 msg["tool_call_id"] = m.tool_call_id
             msgs.append(msg)
-        tools = _json_list(req.chat.tools_json, "tools", "tools_json") if req.chat.tools_json else None
+        tools = _json_list(req.chat.tools_json, "tools_json", "tools_json") if req.chat.tools_json else None
         if not msgs:
             raise RouterError.invalid(field, "must hold at least one message")
         for i, m in enumerate(msgs):

@@ -79,6 +79,10 @@ def proto_messages(desc: Descriptor, cls: type[message.Message], depth: int = 0)
     (nested messages down to depth 3)."""
     fields = {}
     for f in desc.fields:
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:   # map<scalar, scalar>
+            key, val = (f.message_type.fields_by_name[n] for n in ("key", "value"))
+            fields[f.name] = st.dictionaries(_scalar(key), _scalar(val), max_size=6)
+            continue
         if f.message_type is not None:
             if depth >= 3:
                 continue
@@ -91,7 +95,10 @@ def proto_messages(desc: Descriptor, cls: type[message.Message], depth: int = 0)
         msg = cls()
         for name, value in values.items():
             f = desc.fields_by_name[name]
-            if f.is_repeated:
+            if f.message_type is not None and f.message_type.GetOptions().map_entry:
+                for k, v in value.items():
+                    getattr(msg, name)[k] = v
+            elif f.is_repeated:
                 getattr(msg, name).extend(value)
             elif f.message_type is not None:
                 getattr(msg, name).CopyFrom(value)
@@ -162,7 +169,7 @@ def _string_spans(msg: message.Message, prefix: str = "") -> list[str]:
     for f, value in msg.ListFields():
         if f.type == F.TYPE_STRING:
             out += [f"{prefix}{f.name}[{i}]" for i in range(len(value))] if f.is_repeated else [f"{prefix}{f.name}"]
-        elif f.message_type is not None:
+        elif f.message_type is not None and not f.message_type.GetOptions().map_entry:  # no string maps
             for i, sub in enumerate(value if f.is_repeated else [value]):
                 name = f"{f.name}[{i}]" if f.is_repeated else f.name
                 out += _string_spans(sub, f"{prefix}{name}.")
