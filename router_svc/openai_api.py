@@ -34,7 +34,7 @@ from protos import common_pb2, router_pb2
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import RouterError
 from router_svc.openai_models import ChatRequest, CompletionRequest, NamedToolChoice, ResponseFormat, _Common
-from router_svc.tool_calls import NAME_RE, ToolMode
+from router_svc.tool_calls import NAME_RE, ToolMode, ToolStreamer
 from router_svc.validation import DEFAULT_MAX_TOKENS, prepare
 
 
@@ -217,13 +217,14 @@ class _Logprobs:
         return acc
 
 
-def _tool_result(tools: ToolMode, text: str, finish_reason: str):
-    """(content, calls) of a finished output; a forced call cut by max_tokens stays content."""
+def _tool_result(tools: ToolMode | ToolStreamer, finish_reason: str, text: str = ""):
+    """(content, calls) of a finished output (a streamer: the content not streamed yet); a forced
+    call cut by max_tokens stays content."""
     try:
-        return tools.parse(text)
+        return tools.finish() if isinstance(tools, ToolStreamer) else tools.parse(text)
     except ValueError:
         if finish_reason == "length":
-            return text, []
+            return (tools.text[tools.sent:] if isinstance(tools, ToolStreamer) else text), []
         raise
 
 
@@ -327,7 +328,7 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
         text, logprobs, last = task.result()  # raises RouterError -> handler
         choice = {"index": 0, "logprobs": logprobs, "finish_reason": last.finish_reason}
         if chat and tools is not None:
-            content, calls = _tool_result(tools, text, last.finish_reason)
+            content, calls = _tool_result(tools, last.finish_reason, text)
             choice["message"] = {"role": "assistant", "content": content}
             if calls:
                 choice["message"]["tool_calls"] = [c.openai() for c in calls]
@@ -351,20 +352,24 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
             if chat:
                 yield _sse(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]))
-            held, held_lp = [], None  # tool mode: the output is parsed whole, sent in the last chunk
+            # tools: content streams while it cannot be a call; calls go in the last chunk
+            streamer = ToolStreamer(tools) if tools is not None else None
             async for resp in _chain(first, stream):
-                if tools is not None:
-                    held.append(resp.text)
-                    held_lp = _Logprobs.merge(held_lp, lp.convert(resp.logprobs))
-                    if not resp.finish_reason:
+                if streamer is not None:
+                    text = streamer.feed(resp.text)
+                    calls = []
+                    if resp.finish_reason:
+                        rest, calls = _tool_result(streamer, resp.finish_reason)
+                        text += rest
+                    if not text and not resp.finish_reason and not resp.logprobs:
                         continue
-                    content, calls = _tool_result(tools, "".join(held), resp.finish_reason)
-                    delta = {"content": content} if content else {}
+                    delta = {"content": text} if text else {}
                     if calls:
                         delta["tool_calls"] = [c.openai(index=i) for i, c in enumerate(calls)]
-                    yield _sse(dict(base, choices=[{"index": 0, "delta": delta, "logprobs": held_lp,
-                                                    "finish_reason": "tool_calls" if calls else resp.finish_reason}]))
-                    if include_usage:
+                    finish = ("tool_calls" if calls else resp.finish_reason) or None
+                    yield _sse(dict(base, choices=[{"index": 0, "delta": delta, "logprobs": lp.convert(resp.logprobs),
+                                                    "finish_reason": finish}]))
+                    if resp.finish_reason and include_usage:
                         yield _sse(dict(base, choices=[], usage=_usage(resp.usage)))
                     continue
                 if not resp.text and not resp.finish_reason and not resp.logprobs:

@@ -163,3 +163,51 @@ class ToolMode:
             return None, parse_required(text)
         content, calls = parse_auto(text, {t["function"]["name"] for t in self.tools}, self.parallel)
         return (content or None) if calls else content, calls
+
+
+_MARK = "<tool_call>"
+_LLAMA_STARTS = ("{", "<|python_tag|>")
+
+
+class ToolStreamer:
+    """Streams ``auto`` output as content while it cannot be a call, and holds back what may be one.
+
+    Held: an output that starts (after whitespace) like a Llama 3 call (``{`` or ``<|python_tag|>``),
+    everything from a ``<tool_call>`` on, and a tail that could be the start of one. At the end the
+    held text is parsed with :func:`parse_auto` over the whole output, so content and calls are what
+    the non-streamed answer gives.
+    """
+
+    def __init__(self, mode: ToolMode) -> None:
+        self.mode = mode
+        self.text = ""
+        self.sent = 0       # characters of ``text`` already streamed as content
+        self.holding = mode.choice != "auto"  # forced calls: the whole output is the call
+
+    def feed(self, delta: str) -> str:
+        """Add generated text; returns the content that can be streamed now ("" when held)."""
+        self.text += delta
+        if self.holding:
+            return ""
+        head = self.text.lstrip()
+        if not head or any(s.startswith(head[:len(s)]) for s in _LLAMA_STARTS):
+            if self.sent == 0:  # may be a Llama 3 call: nothing streamed yet, wait
+                return ""
+        if _MARK in self.text[self.sent:]:
+            out = self.text[self.sent:self.text.index(_MARK, self.sent)]
+            self.holding = True
+        else:
+            keep = next((k for k in range(min(len(_MARK) - 1, len(self.text) - self.sent), 0, -1)
+                         if self.text.endswith(_MARK[:k])), 0)
+            out = self.text[self.sent:len(self.text) - keep]
+        self.sent += len(out)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """-> (the content not streamed yet, the calls). Raises ValueError like ToolMode.parse."""
+        _, calls = self.mode.parse(self.text)
+        if not calls:
+            return self.text[self.sent:], []
+        if self.mode.choice == "auto" and _MARK in self.text[self.sent:]:  # Hermes: content before the call
+            return self.text[self.sent:self.text.index(_MARK, self.sent)].rstrip(), calls
+        return "", calls

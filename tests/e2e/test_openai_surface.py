@@ -278,3 +278,17 @@ def test_bad_tool_fields_are_400_naming_them(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, **body)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_auto_tool_choice_streamed_equals_non_streamed(client):
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=60)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = [ch.choices[0] for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
+    content = "".join(c.delta.content or "" for c in chunks)
+    calls = [tc for c in chunks for tc in (c.delta.tool_calls or [])]
+    assert content.strip() == (whole.message.content or "").strip()
+    assert [(t.function.name, t.function.arguments) for t in calls] == \
+        [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
+    assert chunks[-1].finish_reason == whole.finish_reason
+    if not calls:  # a plain answer streams as it is generated, not in one piece at the end
+        assert sum(1 for c in chunks if c.delta.content) > 1
