@@ -17,6 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.kvcache.cache_manager import CacheManager, KVLease
+from engine.grammar import GrammarState
 from engine.sampling_params import SamplingParams
 
 
@@ -80,6 +81,7 @@ class DecodeJob:
     retractions: int = 0           # times the pool ran short and this job gave its KV back
     output_ids: list[int] = field(default_factory=list)
     generator: object = None       # torch.Generator for non-greedy sampling
+    grammar: GrammarState | None = None  # structured output; P's first token is replayed into it
     cached_tokens: int = 0         # P's own prefix-cache hit
     pages_transferred: int = 0
     bytes_transferred: int = 0

@@ -127,6 +127,11 @@ class KVWaitQueue:
         if error:
             self._fail(job, ServiceError(grpc.StatusCode.DATA_LOSS, error))
             return None
+        # replay P's first token into D's fresh matcher: the same grammar and token give P's state
+        if job.grammar is not None and not job.grammar.accept(int(notice.first_token_id)):
+            self._fail(job, ServiceError(grpc.StatusCode.INTERNAL, f"prefill's first token "
+                                         f"{notice.first_token_id} is not allowed by the request's grammar"))
+            return None
         self._commit(job, notice)
         wants_lp = job.params.logprobs or job.params.top_logprobs
         return job, int(notice.first_token_id), notice.first_logprob if wants_lp else None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from engine.engine_args import non_negative_float, non_negative_int
 from engine.scheduler.retraction import MAX_RETRACTIONS
@@ -40,27 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "router's --first-token-timeout then counts from D's last sign of life; 0 = off")
 
 
-def _tokenizer(runner, model: str):
-    """The model's tokenizer (for stop strings), or None. With ``--load-format dummy`` and a model
-    directory (config.json + tokenizer files, no weights) it comes from that directory."""
-    path = runner.model_path
-    if path is None and os.path.isfile(os.path.join(os.path.expanduser(model), "tokenizer.json")):
-        path = os.path.expanduser(model)
-    if path is None:
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception:
-        return None
-
-
 def run(args: argparse.Namespace) -> int:
     from decode_svc.peers import PrefillPeers
     from decode_svc.quarantine import FencePolicy
     from decode_svc.scheduler import DecodeScheduler
     from decode_svc.server import DecodeServicer
+    from pd_common.tokenizer import grammar_compiler, load_tokenizer
     from engine.model_runner import ModelRunner
     from protos import decode_pb2, decode_pb2_grpc
 
@@ -73,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     # wait for KV without taking a running slot
     runner = ModelRunner(engine_config(args, 2 * args.max_running_requests))
     transfer = w.start_transfer(runner)
-    tok = _tokenizer(runner, args.model)
+    tok = load_tokenizer(runner, args.model)
     holder = {}
     overlap = args.overlap_schedule == "on" or (args.overlap_schedule == "auto" and runner.device.type == "cuda")
     logging.getLogger("halfmoon.decode").info("overlap schedule: %s (--overlap-schedule %s)",
@@ -94,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     sched.start()
     servicer = DecodeServicer(sched, args.worker_id, vocab_size=runner.vocab_size,
                               max_context=runner.max_context, tokenizer=tok,
-                              queue_keepalive_s=args.queue_keepalive)
+                              queue_keepalive_s=args.queue_keepalive, grammars=grammar_compiler(runner, tok))
     name = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
     w.start_server(lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s), name)
     w.publish_and_serve()

@@ -41,7 +41,9 @@ class InFlight:
 
 def overlappable(job: DecodeJob) -> bool:
     p = job.params
-    return p.greedy and not p.has_penalties and not p.logprobs and not p.top_logprobs
+    # bias and grammar change the argmax, and a grammar needs each token on the host before the next step
+    return (p.greedy and not p.has_penalties and not p.logprobs and not p.top_logprobs
+            and not p.logit_bias and job.grammar is None)
 
 
 class OverlapSchedule:

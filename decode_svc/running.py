@@ -132,7 +132,7 @@ class RunningBatch:
                                     [j.output_ids[-1] for j in jobs], self.kv.r2t.req_to_token)
         logits = self.runner.forward(batch)
         out = sample(logits, [j.params for j in jobs], [j.generator for j in jobs],
-                     [j.prompt_ids for j in jobs], [j.output_ids for j in jobs])
+                     [j.prompt_ids for j in jobs], [j.output_ids for j in jobs], [j.grammar for j in jobs])
         M.DECODE_GENERATED_TOKENS.inc(len(jobs))
         for k, job in enumerate(jobs):
             job.kv_len += 1
@@ -167,7 +167,8 @@ class RunningBatch:
             job.detok.add(tok)
             if job.detok.stopped:
                 return "stop", job.detok.stop_reason or ""
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos) \
+                or (job.grammar is not None and job.grammar.terminated):
             return "stop", ""
         if len(job.output_ids) >= p.max_tokens or len(job.prompt_ids) + len(job.output_ids) >= self.runner.max_context:
             return "length", ""

@@ -21,7 +21,9 @@ import grpc
 from decode_svc.jobs import DecodeJob, JobState
 from decode_svc.scheduler import DecodeScheduler
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarCompiler
 from pd_common.protocol import ServiceError, validate_request
+from pd_common.tokenizer import grammar_state
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("halfmoon.decode")
@@ -34,8 +36,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     """Args: queue_keepalive_s: seconds between empty chunks before the first token (0 = none)."""
 
     def __init__(self, scheduler: DecodeScheduler, worker_id: str, *, vocab_size: int,
-                 max_context: int, tokenizer=None, queue_keepalive_s: float = 10.0):
+                 max_context: int, tokenizer=None, queue_keepalive_s: float = 10.0,
+                 grammars: GrammarCompiler | None = None):
         self.sched = scheduler
+        self.grammars = grammars
         self.worker_id = worker_id
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -50,6 +54,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 raise InvalidRequestError("prefill_address", "empty (P's gRPC host:port is needed)")
             if params.stop and self.tokenizer is None:
                 raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+            grammar = grammar_state(self.grammars, params)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         why = self.sched.never_fits(len(request.input_ids), params.max_tokens)
@@ -58,7 +63,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         job = DecodeJob(request_id=request.request_id, room=int(request.room),
                         prompt_ids=list(request.input_ids), params=params,
                         prefill_address=request.prefill_address,
-                        prefill_worker_id=request.prefill_worker_id)
+                        prefill_worker_id=request.prefill_worker_id, grammar=grammar)
         if params.stop:
             from engine.detokenizer import IncrementalDetokenizer
 

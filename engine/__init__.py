@@ -16,7 +16,9 @@ Files (one concept each):
   models/model_loader.py HF safetensors or dummy weights for a named shape
   model_runner.py        ModelRunner: model + pools + allocator + backend; forward(batch) -> logits
   sampling_params.py     SamplingParams.validate(vocab_size, max_context, prompt_len)
-  sampler.py             batch sampling (greedy, temperature, top-k/p, min-p, seed, penalties, logprobs)
+  sampler.py             batch sampling (logit_bias, grammar masks, greedy, temperature, top-k/p, min-p,
+                         seed, penalties, logprobs)
+  grammar.py             structured outputs with xgrammar: GrammarSpec, GrammarCompiler (cached), GrammarState
   detokenizer.py         incremental detokenizer with stop strings (no split UTF-8 characters); the
                          router streams its text through it too
   scheduler/             scheduler.py: continuous-batching scheduler (co-located); request.py: Req

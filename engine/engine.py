@@ -31,6 +31,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.model_runner import ModelRunner
 from engine.scheduler.request import FinishReason, Req
+from engine.grammar import GrammarCompiler, GrammarState
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams, validate_prompt_ids
 from engine.scheduler.scheduler import KVStats, Scheduler
@@ -91,6 +92,8 @@ class Engine:
             if self.tokenizer.eos_token_id is not None:
                 eos.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(self.runner, config, eos)
+        self._eos = sorted(eos)
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._detok: dict[str, IncrementalDetokenizer | None] = {}
         self._ids = itertools.count()
 
@@ -128,12 +131,22 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._detok:
             raise InvalidRequestError("request_id", f"request id {rid!r} is already in use")
+        grammar = self._grammar_state(params)
         gen = None if params.greedy else make_generator(params.seed, self.runner.device)
-        req = Req(request_id=rid, prompt_ids=ids, params=params, generator=gen)
+        req = Req(request_id=rid, prompt_ids=ids, params=params, generator=gen, grammar=grammar)
         self.scheduler.add(req)  # may raise ResourceExhaustedError (nothing queued)
         self._detok[rid] = (IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
                             if self.tokenizer is not None else None)
         return rid
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        if params.structured is None:
+            return None
+        if self.tokenizer is None:
+            raise InvalidRequestError(params.structured.field, "structured outputs need a tokenizer (dummy weights)")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self._eos)
+        return self._grammars.state(params.structured)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a queued or running request; returns its final output, or None if unknown."""

@@ -1,10 +1,13 @@
 """Sampler: logits of a batch -> next tokens (+ logprobs), one :class:`SamplingParams` per row.
 
-Order of processing per row (vLLM/HF convention): penalties (repetition over prompt+output,
+Order of processing per row (vLLM/HF convention): ``logit_bias`` added and tokens the row's
+grammar forbids masked to -inf (:func:`constrain`) -> penalties (repetition over prompt+output,
 frequency/presence over output) -> greedy argmax if ``temperature == 0`` -> divide by temperature
 -> top-k -> top-p (smallest set with mass >= top_p, the top token always kept) -> min-p (drop
 tokens with ``p < min_p * p_max``) -> renormalise -> ``torch.multinomial`` with the request's
 generator. :func:`processed_probs` exposes the final distribution (tests compare it by hand).
+Logprobs are those of the raw logits (before bias, mask and processing). A row's grammar is
+advanced with its chosen token here.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from engine.grammar import GrammarState, apply_grammars
 from engine.sampling_params import SamplingParams
 
 
@@ -70,6 +74,28 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
     return probs / probs.sum()
 
 
+def constrain(logits: torch.Tensor, params: Sequence[SamplingParams],
+              grammars: Sequence[GrammarState | None] = ()) -> torch.Tensor:
+    """logits float [B, V] -> the logits the sampler picks from: each row's ``logit_bias`` added and
+    the tokens its grammar forbids set to -inf, on the logits' device. Returns ``logits`` itself
+    (no copy) when no row has either."""
+    bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+    g_rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not bias_rows and not g_rows:
+        return logits
+    x = logits.float().clone()
+    if bias_rows:
+        rows = [i for i in bias_rows for _ in params[i].logit_bias]
+        cols = [t for i in bias_rows for t in params[i].logit_bias]
+        vals = [b for i in bias_rows for b in params[i].logit_bias.values()]
+        dev = x.device
+        x.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                     torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
+    if g_rows:
+        apply_grammars(x, g_rows, [grammars[i] for i in g_rows])
+    return x
+
+
 @dataclasses.dataclass
 class SampleOutput:
     token_ids: list[int]  # [B]
@@ -78,11 +104,16 @@ class SampleOutput:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-           prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]]) -> SampleOutput:
+           prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
+           grammars: Sequence[GrammarState | None] = ()) -> SampleOutput:
     """Sample one token per row of ``logits`` (float32 [B, V]).
 
     ``generators[i]`` may be None only for greedy rows. ``prompt_ids``/``output_ids`` feed penalties.
+    ``grammars`` (empty, or one per row, None = unconstrained): each constrained row samples only
+    what its grammar allows and its state accepts the chosen token.
     """
+    raw = logits
+    logits = constrain(logits, params, grammars)
     B = logits.shape[0]
     toks: list[int] = [0] * B
     plain_greedy = [i for i, p in enumerate(params) if p.greedy and not p.has_penalties]
@@ -100,11 +131,14 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
             toks[i] = int(probs.argmax())
         else:
             toks[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
+    for i, g in enumerate(grammars):
+        if g is not None:
+            g.accept(toks[i])  # allowed by the mask, so accepted (a terminated state ends the request)
     lps: list[float | None] = [None] * B
     tops: list[list[tuple[int, float]] | None] = [None] * B
     want = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs]
     if want:
-        lsm = torch.log_softmax(logits[want].float(), -1)
+        lsm = torch.log_softmax(raw[want].float(), -1)
         for j, i in enumerate(want):
             lps[i] = float(lsm[j, toks[i]])
             k = params[i].top_logprobs

@@ -11,16 +11,23 @@ Semantics (OpenAI / vLLM / HF conventions):
 - ``logprobs``: return the log-probability of each chosen token under the model's raw distribution
   (log_softmax of unprocessed logits), and ``top_logprobs`` (0..20) alternatives.
 - ``seed``: a per-request ``torch.Generator``; same seed, same prompt -> same tokens.
+- ``logit_bias``: token id -> bias in [-100, 100] added to the raw logits before anything else
+  (OpenAI: -100 bans a token, +100 all but forces it); logprobs stay those of the raw logits.
+- ``structured``: a grammar (engine/grammar.py) the output must match; tokens it forbids are
+  masked before sampling, and a complete output ends with EOS.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: |bias| <= 100
 
 
 @dataclasses.dataclass
@@ -40,6 +47,8 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    structured: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +95,12 @@ class SamplingParams:
             bad("stop_token_ids", f"token ids must be in [0, {vocab_size})")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                bad("logit_bias", f"token id {t!r} is outside [0, {vocab_size})")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
+                    or abs(b) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"bias of token {t} must be a finite number in [-100, 100], got {b!r}")
 
 
 def validate_prompt_ids(token_ids: Sequence[int], vocab_size: int, field: str = "prompt") -> None:

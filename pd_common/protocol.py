@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarKind, GrammarSpec
 from engine.sampling_params import SamplingParams, validate_prompt_ids
 from protos import common_pb2, registry_pb2
 
@@ -53,7 +54,24 @@ def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
     p.ignore_eos = bool(sp.ignore_eos)
     p.logprobs = bool(sp.logprobs)
     p.top_logprobs = int(sp.top_logprobs)
+    p.logit_bias = {int(t): float(b) for t, b in sp.logit_bias.items()}
+    p.structured = structured_from_proto(sp)
     return p
+
+
+def structured_from_proto(sp: common_pb2.SamplingParams) -> GrammarSpec | None:
+    """``sampling.structured`` -> GrammarSpec (errors name "structured"), None when unset.
+
+    Raises:
+        InvalidRequestError: "structured" set with no kind, or ``json_object: false``.
+    """
+    if not sp.HasField("structured"):
+        return None
+    which = sp.structured.WhichOneof("kind")
+    if which is None or (which == "json_object" and not sp.structured.json_object):
+        raise InvalidRequestError("structured", "set but names no grammar (json_schema, json_object, regex, ebnf)")
+    source = "" if which == "json_object" else getattr(sp.structured, which)
+    return GrammarSpec(GrammarKind(which), source)
 
 
 def validate_request(room: int, input_ids: Sequence[int], sampling: common_pb2.SamplingParams,

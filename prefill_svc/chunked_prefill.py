@@ -78,7 +78,7 @@ class ChunkedPrefill:
         gens = [make_generator(j.params.seed, self.runner.device) if not j.params.greedy else None
                 for j in done]
         out = sample(logits, [j.params for j in done], gens, [j.prompt_ids for j in done],
-                     [[] for _ in done])
+                     [[] for _ in done], [j.grammar for j in done])
         for k, job in enumerate(done):
             job.first = FirstToken(out.token_ids[k], out.logprobs[k], out.top_logprobs[k])
             if gens[k] is not None:  # D continues the same random stream

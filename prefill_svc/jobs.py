@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from engine.grammar import GrammarState
 from engine.sampling_params import SamplingParams
 from pd_common.protocol import ServiceError
 from prefill_svc.kv_runs import PoolGeometry
@@ -79,6 +80,7 @@ class PrefillJob:
     room: int
     prompt_ids: list[int]
     params: SamplingParams
+    grammar: GrammarState | None = None  # structured output: constrains the first token
     arrived: float = field(default_factory=time.monotonic)
     reply: Future = field(default_factory=Future)  # -> prefill_pb2.PrefillResult | ServiceError
     state: JobState = JobState.QUEUED

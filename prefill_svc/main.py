@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine.model_runner import ModelRunner
     from prefill_svc.scheduler import PrefillScheduler
+    from pd_common.tokenizer import grammar_compiler, load_tokenizer
     from prefill_svc.server import PrefillServicer
     from protos import prefill_pb2, prefill_pb2_grpc
 
@@ -32,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     w.attach_kv_events(sched)
     sched.start()
     servicer = PrefillServicer(sched, transfer, args.worker_id, vocab_size=runner.vocab_size,
-                               max_context=runner.max_context)
+                               max_context=runner.max_context,
+                               grammars=grammar_compiler(runner, load_tokenizer(runner, args.model)))
     name = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
     w.start_server(lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s), name)
     w.publish_and_serve()

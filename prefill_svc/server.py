@@ -14,7 +14,9 @@ import time
 import grpc
 
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarCompiler
 from pd_common.protocol import MAX_ROOM, ServiceError, validate_request
+from pd_common.tokenizer import grammar_state
 from prefill_svc.destinations import tombstone_error
 from prefill_svc.jobs import Destination, PrefillJob
 from prefill_svc.kv_runs import PoolGeometry
@@ -23,11 +25,13 @@ from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """Args: scheduler; transfer: the worker's ``TransferEngine`` (its segment name and incarnation
-    answer SetDestination); vocab_size, max_context: the model's, for request validation."""
+    answer SetDestination); vocab_size, max_context: the model's, for request validation;
+    grammars: the worker's grammar compiler (None: structured requests are refused)."""
 
     def __init__(self, scheduler: PrefillScheduler, transfer, worker_id: str, *,
-                 vocab_size: int, max_context: int):
+                 vocab_size: int, max_context: int, grammars: GrammarCompiler | None = None):
         self.sched = scheduler
+        self.grammars = grammars
         self.transfer = transfer
         self.worker_id = worker_id
         self.vocab_size = vocab_size
@@ -37,13 +41,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             params = validate_request(request.room, request.input_ids, request.sampling,
                                       self.vocab_size, self.max_context)
+            grammar = grammar_state(self.grammars, params)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         why = self.sched.never_fits(len(request.input_ids))
         if why:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         job = PrefillJob(request_id=request.request_id, room=int(request.room),
-                         prompt_ids=list(request.input_ids), params=params)
+                         prompt_ids=list(request.input_ids), params=params, grammar=grammar)
         fut = self.sched.submit(job)
         context.add_callback(lambda: fut.done() or self.sched.abort_job(job, "prefill call cancelled"))
         try:

@@ -24,27 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0bhalfmoon.v1\"\xdc\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_max_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.halfmoon.v1.TopLogprob\"@\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xbd\x01\n\x0cKVAccounting\x12\x13\n\x0btotal_pages\x18\x01 \x01(\x03\x12\x12\n\nfree_pages\x18\x02 \x01(\x03\x12\x17\n\x0f\x65victable_pages\x18\x03 \x01(\x03\x12\x14\n\x0clocked_pages\x18\x04 \x01(\x03\x12\x13\n\x0bowned_pages\x18\x05 \x01(\x03\x12\x14\n\x0cmin_lock_ref\x18\x06 \x01(\x03\x12\x12\n\nheld_rooms\x18\x07 \x01(\x03\x12\x16\n\x0eheld_req_slots\x18\x08 \x01(\x03\"\xb3\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x18\n\x10running_requests\x18\x03 \x01(\x05\x12\x1d\n\x15transferring_requests\x18\x04 \x01(\x05\x12\x10\n\x08kv_usage\x18\x05 \x01(\x01\x12-\n\naccounting\x18\x06 \x01(\x0b\x32\x19.halfmoon.v1.KVAccountingb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0bhalfmoon.v1\"\x81\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\x05\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.halfmoon.v1.SamplingParams.LogitBiasEntry\x12\x31\n\nstructured\x18\x10 \x01(\x0b\x32\x1d.halfmoon.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_max_tokens\"i\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.halfmoon.v1.TopLogprob\"@\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xbd\x01\n\x0cKVAccounting\x12\x13\n\x0btotal_pages\x18\x01 \x01(\x03\x12\x12\n\nfree_pages\x18\x02 \x01(\x03\x12\x17\n\x0f\x65victable_pages\x18\x03 \x01(\x03\x12\x14\n\x0clocked_pages\x18\x04 \x01(\x03\x12\x13\n\x0bowned_pages\x18\x05 \x01(\x03\x12\x14\n\x0cmin_lock_ref\x18\x06 \x01(\x03\x12\x12\n\nheld_rooms\x18\x07 \x01(\x03\x12\x16\n\x0eheld_req_slots\x18\x08 \x01(\x03\"\xb3\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x18\n\x10running_requests\x18\x03 \x01(\x05\x12\x1d\n\x15transferring_requests\x18\x04 \x01(\x05\x12\x10\n\x08kv_usage\x18\x05 \x01(\x01\x12-\n\naccounting\x18\x06 \x01(\x0b\x32\x19.halfmoon.v1.KVAccountingb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=513
-  _globals['_TOPLOGPROB']._serialized_start=515
-  _globals['_TOPLOGPROB']._serialized_end=562
-  _globals['_TOKENLOGPROB']._serialized_start=564
-  _globals['_TOKENLOGPROB']._serialized_end=651
-  _globals['_ABORTREQUEST']._serialized_start=653
-  _globals['_ABORTREQUEST']._serialized_end=717
-  _globals['_ABORTRESPONSE']._serialized_start=719
-  _globals['_ABORTRESPONSE']._serialized_end=749
-  _globals['_GETLOADREQUEST']._serialized_start=751
-  _globals['_GETLOADREQUEST']._serialized_end=767
-  _globals['_KVACCOUNTING']._serialized_start=770
-  _globals['_KVACCOUNTING']._serialized_end=959
-  _globals['_LOADREPORT']._serialized_start=962
-  _globals['_LOADREPORT']._serialized_end=1141
+  _globals['_SAMPLINGPARAMS']._serialized_end=678
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=494
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=542
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=680
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=785
+  _globals['_TOPLOGPROB']._serialized_start=787
+  _globals['_TOPLOGPROB']._serialized_end=834
+  _globals['_TOKENLOGPROB']._serialized_start=836
+  _globals['_TOKENLOGPROB']._serialized_end=923
+  _globals['_ABORTREQUEST']._serialized_start=925
+  _globals['_ABORTREQUEST']._serialized_end=989
+  _globals['_ABORTRESPONSE']._serialized_start=991
+  _globals['_ABORTRESPONSE']._serialized_end=1021
+  _globals['_GETLOADREQUEST']._serialized_start=1023
+  _globals['_GETLOADREQUEST']._serialized_end=1039
+  _globals['_KVACCOUNTING']._serialized_start=1042
+  _globals['_KVACCOUNTING']._serialized_end=1231
+  _globals['_LOADREPORT']._serialized_start=1234
+  _globals['_LOADREPORT']._serialized_end=1413
 # @@protoc_insertion_point(module_scope)

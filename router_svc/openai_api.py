@@ -11,8 +11,10 @@ naming the field). vLLM-style extras are accepted: ``top_k``, ``min_p``, ``repet
 
 Bodies are parsed strictly: a field of the wrong JSON type (``"max_tokens": "5"``, ``"stream": 1``)
 or one the models do not declare is a 400 naming it, never coerced or dropped; OpenAI fields the
-router cannot honour yet (a non-empty ``logit_bias``, ``best_of`` != 1, ``echo``, ``suffix``) are
-refused by name. API keys and the body size limit are checked before this app
+router cannot honour yet (``best_of`` != 1, ``n`` != 1, ``echo``, ``suffix``) are refused by name.
+``logit_bias`` (token id strings -> bias in [-100, 100]) and ``response_format`` (``text``,
+``json_object``, ``json_schema``; on completions too, as vLLM) are honoured by the workers' sampler.
+API keys and the body size limit are checked before this app
 (:class:`~router_svc.http_guard.FrontDoorMiddleware`, which sets ``request.state.tenant``); rate
 limits and the admission queue answer 429 with ``Retry-After`` before validation.
 """
@@ -23,93 +25,26 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Annotated, AsyncIterator, Literal
+from typing import AsyncIterator
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from protos import common_pb2, router_pb2
 from router_svc.api_keys import ANONYMOUS
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import RouterError
+from router_svc.openai_models import ChatRequest, CompletionRequest, NamedToolChoice, ResponseFormat, _Common
+from router_svc.tool_calls import NAME_RE, ToolMode, ToolStreamer
 from router_svc.validation import DEFAULT_MAX_TOKENS, prepare
-
-
-# The proto fields these map onto are int32: a larger JSON integer is a 400 naming the field, not a
-# protobuf ValueError (HTTP 500) when the GenerateRequest is built.
-Int32 = Annotated[int, Field(ge=-2**31, le=2**31 - 1)]
-
-
-# strict: no coercion between JSON types; forbid: an unknown field is a 400 naming it.
-_STRICT = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(BaseModel):
-    model_config = _STRICT
-    include_usage: bool = False
-
-
-class _Common(BaseModel):
-    model_config = _STRICT
-    model: str = ""
-    max_tokens: Int32 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    user: str | None = None
-    # vLLM / SGLang extras
-    top_k: Int32 | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[Int32] | None = None
-    request_id: str | None = None
-    # OpenAI fields that are refused unless they ask for the default (see _sampling)
-    logit_bias: dict[str, float] | None = None
-    best_of: Int32 | None = None
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[Int32] | list[str] | list[list[Int32]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-
-
-class TextPart(BaseModel):
-    model_config = _STRICT
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-    role: str
-    content: str | list[TextPart] | None = None
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage]
-    max_completion_tokens: Int32 | None = None
-    logprobs: bool = False
-    top_logprobs: Int32 | None = None
 
 
 def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
     if body.n != 1:
         raise RouterError.invalid("n", f"only n=1 is supported, got {body.n}")
-    if body.logit_bias:
-        raise RouterError.invalid("logit_bias", "is not supported yet; send none or {}")
     if body.best_of is not None and body.best_of != 1:
         raise RouterError.invalid("best_of", f"only best_of=1 is supported, got {body.best_of}")
     if body.stream_options is not None and not body.stream:
@@ -126,7 +61,29 @@ def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> common_pb2.Sa
         s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     if body.stop_token_ids:
         s.stop_token_ids.extend(body.stop_token_ids)
+    for key, bias in (body.logit_bias or {}).items():
+        # OpenAI's keys are token ids as strings; validate_sampling checks the id and bias ranges
+        if not key.strip().isdigit() or int(key) >= 2**31:
+            raise RouterError.invalid("logit_bias", f"keys must be token ids (integers as strings), got {key!r}")
+        s.logit_bias[int(key)] = bias
+    _response_format(body.response_format, s)
     return s
+
+
+def _response_format(rf: ResponseFormat | None, s: common_pb2.SamplingParams) -> None:
+    """``response_format`` -> ``sampling.structured``; its schema is compiled in prepare()."""
+    if rf is None or rf.type == "text":
+        if rf is not None and rf.json_schema is not None:
+            raise RouterError.invalid("response_format", "json_schema is only allowed with type json_schema")
+        return
+    if rf.type == "json_object":
+        if rf.json_schema is not None:
+            raise RouterError.invalid("response_format", "json_schema is only allowed with type json_schema")
+        s.structured.json_object = True
+        return
+    if rf.json_schema is None:
+        raise RouterError.invalid("response_format", "type json_schema needs a json_schema object")
+    s.structured.json_schema = json.dumps(rf.json_schema.schema_)
 
 
 def completion_to_proto(body: CompletionRequest) -> router_pb2.GenerateRequest:
@@ -151,22 +108,71 @@ def completion_to_proto(body: CompletionRequest) -> router_pb2.GenerateRequest:
     return req
 
 
-def chat_to_proto(body: ChatRequest) -> router_pb2.GenerateRequest:
-    """Map a /v1/chat/completions body (text content parts only)."""
+def tool_mode(body: ChatRequest) -> ToolMode | None:
+    """``tools`` / ``tool_choice`` -> how the output becomes tool calls (None: no tools in play).
+
+    Raises:
+        RouterError: "tools" (empty, bad or duplicate names), "tool_choice" (no tools, unknown
+            function, or with a response_format), "messages" (a tool message without tool_call_id).
+    """
+    for i, m in enumerate(body.messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise RouterError.invalid("messages", f"message {i}: a tool message needs tool_call_id")
+        if m.role != "tool" and m.tool_call_id is not None:
+            raise RouterError.invalid("messages", f"message {i}: tool_call_id is only for tool messages")
+        if m.role != "assistant" and m.tool_calls is not None:
+            raise RouterError.invalid("messages", f"message {i}: tool_calls is only for assistant messages")
+    choice = body.tool_choice
+    if body.tools is None:
+        if choice not in (None, "none"):
+            raise RouterError.invalid("tool_choice", "needs tools")
+        return None
+    if not body.tools:
+        raise RouterError.invalid("tools", "must hold at least one tool (or leave tools out)")
+    names = [t.function.name for t in body.tools]
+    for n in names:
+        if not NAME_RE.match(n):
+            raise RouterError.invalid("tools", f"function name {n!r} must match {NAME_RE.pattern}")
+    if len(set(names)) != len(names):
+        raise RouterError.invalid("tools", "function names must be unique")
+    if choice == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise RouterError.invalid("tool_choice", f"function {choice.function.name!r} is not in tools")
+        mode = ToolMode("named", tools, choice.function.name, body.parallel_tool_calls)
+    else:
+        mode = ToolMode(choice or "auto", tools, parallel=body.parallel_tool_calls)
+    if mode.schema() is not None and body.response_format is not None and body.response_format.type != "text":
+        raise RouterError.invalid("tool_choice", "a forced tool call cannot be combined with response_format")
+    return mode
+
+
+def chat_to_proto(body: ChatRequest) -> tuple[router_pb2.GenerateRequest, ToolMode | None]:
+    """Map a /v1/chat/completions body (text content parts only); also returns its tool mode."""
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens = body.max_completion_tokens
     top = body.top_logprobs or 0
     if top and not body.logprobs:
         raise RouterError.invalid("top_logprobs", "needs logprobs: true")
+    mode = tool_mode(body)
     req = router_pb2.GenerateRequest(request_id=body.request_id or f"chatcmpl-{uuid.uuid4().hex}", model=body.model,
                                      sampling=_sampling(body, body.logprobs, top))
     req.chat.SetInParent()
+    if mode is not None:
+        req.chat.tools_json = json.dumps(mode.tools)
+        schema = mode.schema()
+        if schema is not None:
+            req.sampling.structured.json_schema = json.dumps(schema)
     for m in body.messages:
         content = m.content or ""
         if isinstance(content, list):   # TextPart: only text parts parse
             content = "".join(part.text for part in content)
-        req.chat.messages.add(role=m.role, content=content)
-    return req
+        msg = req.chat.messages.add(role=m.role, content=content, tool_call_id=m.tool_call_id or "")
+        if m.tool_calls:
+            msg.tool_calls_json = json.dumps([c.model_dump() for c in m.tool_calls])
+    return req, mode
 
 
 def _usage(u: router_pb2.Usage) -> dict:
@@ -213,6 +219,17 @@ class _Logprobs:
         for key, value in part.items():
             acc[key].extend(value)
         return acc
+
+
+def _tool_result(tools: ToolMode | ToolStreamer, finish_reason: str, text: str = ""):
+    """(content, calls) of a finished output (a streamer: the content not streamed yet); a forced
+    call cut by max_tokens stays content."""
+    try:
+        return tools.finish() if isinstance(tools, ToolStreamer) else tools.parse(text)
+    except ValueError:
+        if finish_reason == "length":
+            return (tools.text[tools.sent:] if isinstance(tools, ToolStreamer) else text), []
+        raise
 
 
 def _error_response(exc: RouterError) -> JSONResponse:
@@ -267,17 +284,21 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await _serve(request, chat_to_proto(body), body, chat=True)
+        req, tools = chat_to_proto(body)
+        return await _serve(request, req, body, chat=True, tools=tools)
 
-    async def _serve(request: Request, req: router_pb2.GenerateRequest, body: _Common, chat: bool):
+    async def _serve(request: Request, req: router_pb2.GenerateRequest, body: _Common, chat: bool,
+                     tools: ToolMode | None = None):
         arrival = time.monotonic()
         tenant = getattr(request.state, "tenant", ANONYMOUS)
         ticket = dispatcher.admit(tenant, arrival)
         try:
             prep = prepare(req, dispatcher.tok, default_max_tokens=None if chat else DEFAULT_MAX_TOKENS, tenant=tenant)
-        except RouterError:
+        except RouterError as exc:
             ticket.close()
             dispatcher.count("invalid", arrival, tenant)
+            if exc.param == "structured":  # the gRPC field is this body's response_format
+                raise RouterError.invalid("response_format", exc.message.removeprefix("structured: ")) from exc
             raise
         model = card.id
         created = int(time.time())
@@ -290,11 +311,11 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
             # both attempts failed, a worker's RESOURCE_EXHAUSTED) get their HTTP status and body.
             first = await anext(stream)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream(first, stream, rid, model, created, chat, lp, include_usage),
+            return StreamingResponse(_stream(first, stream, rid, model, created, chat, lp, include_usage, tools),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, stream, rid, model, created, obj, chat, lp)
+        return await _collect(request, stream, rid, model, created, obj, chat, lp, tools)
 
-    async def _collect(request, stream, rid, model, created, obj, chat, lp):
+    async def _collect(request, stream, rid, model, created, obj, chat, lp, tools):
         async def consume():
             text, logprobs, last = [], None, None
             async for resp in stream:
@@ -313,7 +334,13 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
                                                "param": None, "code": "cancelled"}}, status_code=499)
         text, logprobs, last = task.result()  # raises RouterError -> handler
         choice = {"index": 0, "logprobs": logprobs, "finish_reason": last.finish_reason}
-        if chat:
+        if chat and tools is not None:
+            content, calls = _tool_result(tools, last.finish_reason, text)
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = [c.openai() for c in calls]
+                choice["finish_reason"] = "tool_calls"
+        elif chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -325,14 +352,33 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
         async for resp in stream:
             yield resp
 
-    async def _stream(first, stream, rid, model, created, chat, lp, include_usage) -> AsyncIterator[bytes]:
+    async def _stream(first, stream, rid, model, created, chat, lp, include_usage, tools) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": created, "model": model}
         try:
             if chat:
                 yield _sse(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]))
+            # tools: content streams while it cannot be a call; calls go in the last chunk
+            streamer = ToolStreamer(tools) if tools is not None else None
             async for resp in _chain(first, stream):
+                if streamer is not None:
+                    text = streamer.feed(resp.text)
+                    calls = []
+                    if resp.finish_reason:
+                        rest, calls = _tool_result(streamer, resp.finish_reason)
+                        text += rest
+                    if not text and not resp.finish_reason and not resp.logprobs:
+                        continue
+                    delta = {"content": text} if text else {}
+                    if calls:
+                        delta["tool_calls"] = [c.openai(index=i) for i, c in enumerate(calls)]
+                    finish = ("tool_calls" if calls else resp.finish_reason) or None
+                    yield _sse(dict(base, choices=[{"index": 0, "delta": delta, "logprobs": lp.convert(resp.logprobs),
+                                                    "finish_reason": finish}]))
+                    if resp.finish_reason and include_usage:
+                        yield _sse(dict(base, choices=[], usage=_usage(resp.usage)))
+                    continue
                 if not resp.text and not resp.finish_reason and not resp.logprobs:
                     continue
                 choice = {"index": 0, "logprobs": lp.convert(resp.logprobs), "finish_reason": resp.finish_reason or None}

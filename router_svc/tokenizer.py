@@ -13,6 +13,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from router_svc.tool_calls import tools_system_prompt
+
 
 @dataclass(frozen=True)
 class ModelCard:
@@ -46,6 +48,18 @@ class RouterTokenizer:
         vocab = max(int(config.get("vocab_size") or 0), len(self.hf))
         self.card = ModelCard(id=model_id, path=Path(model_dir), max_context=max_ctx, vocab_size=vocab)
         self.backend = self.hf.backend_tokenizer  # tokenizers.Tokenizer: the streamed text's detokenizer
+        self._grammars = None
+
+    @property
+    def grammars(self):
+        """The router's ``engine.grammar.GrammarCompiler`` (built on first use), used to refuse an
+        invalid grammar before any worker is asked; workers compile the same spec again."""
+        if self._grammars is None:
+            from engine.grammar import GrammarCompiler
+
+            eos = [self.hf.eos_token_id] if self.hf.eos_token_id is not None else None
+            self._grammars = GrammarCompiler(self.hf, self.card.vocab_size, eos)
+        return self._grammars
 
     @property
     def has_chat_template(self) -> bool:
@@ -55,19 +69,56 @@ class RouterTokenizer:
         """Plain-text prompt -> token ids (the tokenizer's own special-token rules, e.g. BOS)."""
         return list(self.hf.encode(text))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat messages ``[{"role", "content"}]`` -> token ids of the templated prompt, ending with
-        the assistant generation prompt.
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` argument (else tools go in a system block)."""
+        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages ``[{"role", "content", ["tool_calls"], ["tool_call_id"]}]`` (+ OpenAI
+        ``tools``) -> token ids of the templated prompt, ending with the assistant generation prompt.
+
+        A template that does not take ``tools`` gets them as a Hermes system block, and assistant
+        tool calls / tool results as ``<tool_call>`` / ``<tool_response>`` text
+        (router_svc/tool_calls.py).
 
         Raises:
             ValueError: the model has no chat template, or the template rejects the messages.
         """
         if not self.has_chat_template:
             raise ValueError("the model has no chat template")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if self.template_takes_tools:
+            text = self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                               add_generation_prompt=True)
+        else:
+            text = self.hf.apply_chat_template(_inline_tools(messages, tools), tokenize=False,
+                                               add_generation_prompt=True)
         # The template already spells out BOS/role markers: do not add special tokens again.
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def token_text(self, token_id: int) -> str:
         """The text of one token alone (for logprob entries; may hold U+FFFD for partial bytes)."""
         return self.hf.decode([token_id], skip_special_tokens=False)
+
+
+def _inline_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Messages for a template without tool support: tools in the system message, calls and
+    results as Hermes text."""
+    out = []
+    for m in messages:
+        content = m.get("content") or ""
+        if m.get("tool_calls"):
+            calls = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                            "arguments": c["function"]["arguments"]})
+                               + "\n</tool_call>" for c in m["tool_calls"])
+            content = (content + "\n" + calls).strip()
+        if m["role"] == "tool":
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": m["role"], "content": content})
+    if tools:
+        block = tools_system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out

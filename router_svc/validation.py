@@ -7,10 +7,14 @@ Ranges follow OpenAI / vLLM semantics (protos/common.proto documents each sampli
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from dataclasses import dataclass
 
+from engine.errors import InvalidRequestError
+from engine.sampling_params import MAX_LOGIT_BIAS
+from pd_common.protocol import structured_from_proto
 from protos import common_pb2, router_pb2
 from router_svc.api_keys import ANONYMOUS
 from router_svc.errors import RouterError
@@ -51,8 +55,33 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def validate_sampling(s: common_pb2.SamplingParams, vocab_size: int) -> None:
-    """Check every sampling field's range.
+def _json_list(text: str, field: str, what: str) -> list:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise RouterError.invalid(field, f"{what} is not JSON: {exc}") from exc
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise RouterError.invalid(field, f"{what} must be a JSON array of objects")
+    return value
+
+
+def _template_calls(calls: list[dict]) -> list[dict]:
+    """OpenAI tool calls (arguments as JSON text) as chat templates take them (arguments an object,
+    as vLLM passes them), so a template's ``tojson`` does not encode them twice."""
+    out = []
+    for c in calls:
+        fn = dict(c.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass  # not JSON: the template gets the text as sent
+        out.append(dict(c, function=fn))
+    return out
+
+
+def validate_sampling(s: common_pb2.SamplingParams, vocab_size: int, tok: RouterTokenizer | None = None) -> None:
+    """Check every sampling field's range (and, given ``tok``, compile ``structured``).
 
     Raises:
         RouterError: INVALID_ARGUMENT with ``param`` set to the offending field.
@@ -80,6 +109,18 @@ def validate_sampling(s: common_pb2.SamplingParams, vocab_size: int) -> None:
     for tid in s.stop_token_ids:
         if not (0 <= tid < vocab_size):
             raise RouterError.invalid("stop_token_ids", f"token id {tid} is outside [0, {vocab_size})")
+    for tid, bias in s.logit_bias.items():
+        if not (0 <= tid < vocab_size):
+            raise RouterError.invalid("logit_bias", f"token id {tid} is outside [0, {vocab_size})")
+        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise RouterError.invalid("logit_bias", f"bias of token {tid} must be in [-100, 100], got {bias}")
+    if tok is not None:
+        try:
+            spec = structured_from_proto(s)
+            if spec is not None:
+                tok.grammars.compile(spec)
+        except InvalidRequestError as exc:
+            raise RouterError.invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from exc
 
 
 def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
@@ -101,7 +142,7 @@ def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
     if req.model and req.model not in (card.id, str(card.path)):
         raise RouterError.invalid("model", f"unknown model {req.model!r}; this router serves {card.id!r}",
                                   err_code="model_not_found")
-    validate_sampling(req.sampling, card.vocab_size)
+    validate_sampling(req.sampling, card.vocab_size, tok)
     which = req.WhichOneof("input")
     if which == "text":
         if not req.text:
@@ -116,14 +157,23 @@ def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
             raise RouterError.invalid(field, f"token id {bad[0]} is outside [0, {card.vocab_size})")
     elif which == "chat":
         field = "messages"
-        msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        msgs = []
+        for i, m in enumerate(req.chat.messages):
+            msg = {"role": m.role, "content": m.content}
+            if m.tool_calls_json:
+                calls = _json_list(m.tool_calls_json, "tool_calls_json", f"message {i}")
+                msg["tool_calls"] = _template_calls(calls)
+            if m.tool_call_id:
+                msg["tool_call_id"] = m.tool_call_id
+            msgs.append(msg)
+        tools = _json_list(req.chat.tools_json, "tools_json", "tools_json") if req.chat.tools_json else None
         if not msgs:
             raise RouterError.invalid(field, "must hold at least one message")
         for i, m in enumerate(msgs):
             if m["role"] not in ("system", "user", "assistant", "tool", "developer"):
                 raise RouterError.invalid(field, f"message {i} has unknown role {m['role']!r}")
         try:
-            ids = tok.encode_chat(msgs)
+            ids = tok.encode_chat(msgs, tools)
         except Exception as exc:  # template errors are the client's input problem
             raise RouterError.invalid(field, f"chat template failed: {exc}") from exc
     else:

@@ -14,6 +14,7 @@ import enum
 
 import torch
 
+from engine.grammar import GrammarState
 from engine.kvcache.cache_manager import KVLease
 from engine.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    grammar: GrammarState | None = None  # structured output: the matcher over output_ids
     output_ids: list[int] = dataclasses.field(default_factory=list)
     lease: KVLease | None = None
     kv_len: int = 0

@@ -222,7 +222,7 @@ class Scheduler:
         if not done:
             return []
         out = sample(logits[done_idx], [r.params for r in done], [r.generator for r in done],
-                     [r.prompt_ids for r in done], [r.output_ids for r in done])
+                     [r.prompt_ids for r in done], [r.output_ids for r in done], [r.grammar for r in done])
         results = []
         max_ctx = self.runner.max_context
         for j, req in enumerate(done):
@@ -231,7 +231,8 @@ class Scheduler:
             self.prefilling.discard(req)
             results.append(StepResult(req, tok, out.logprobs[j], out.top_logprobs[j]))
             p = req.params
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids) \
+                    or (req.grammar is not None and req.grammar.terminated):
                 self.finish(req, FinishReason.STOP)
             elif len(req.output_ids) >= p.max_tokens or req.seq_len >= max_ctx:
                 self.finish(req, FinishReason.LENGTH)

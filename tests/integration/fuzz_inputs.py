@@ -79,6 +79,10 @@ def proto_messages(desc: Descriptor, cls: type[message.Message], depth: int = 0)
     (nested messages down to depth 3)."""
     fields = {}
     for f in desc.fields:
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:   # map<scalar, scalar>
+            key, val = (f.message_type.fields_by_name[n] for n in ("key", "value"))
+            fields[f.name] = st.dictionaries(_scalar(key), _scalar(val), max_size=6)
+            continue
         if f.message_type is not None:
             if depth >= 3:
                 continue
@@ -91,7 +95,10 @@ def proto_messages(desc: Descriptor, cls: type[message.Message], depth: int = 0)
         msg = cls()
         for name, value in values.items():
             f = desc.fields_by_name[name]
-            if f.is_repeated:
+            if f.message_type is not None and f.message_type.GetOptions().map_entry:
+                for k, v in value.items():
+                    getattr(msg, name)[k] = v
+            elif f.is_repeated:
                 getattr(msg, name).extend(value)
             elif f.message_type is not None:
                 getattr(msg, name).CopyFrom(value)
@@ -162,7 +169,7 @@ def _string_spans(msg: message.Message, prefix: str = "") -> list[str]:
     for f, value in msg.ListFields():
         if f.type == F.TYPE_STRING:
             out += [f"{prefix}{f.name}[{i}]" for i in range(len(value))] if f.is_repeated else [f"{prefix}{f.name}"]
-        elif f.message_type is not None:
+        elif f.message_type is not None and not f.message_type.GetOptions().map_entry:  # no string maps
             for i, sub in enumerate(value if f.is_repeated else [value]):
                 name = f"{f.name}[{i}]" if f.is_repeated else f.name
                 out += _string_spans(sub, f"{prefix}{name}.")
@@ -212,7 +219,9 @@ _BAD_TYPE = {
     "user": [1, [], {}], "top_k": ["1", 1.5, True], "min_p": ["0", []], "repetition_penalty": ["1", True],
     "ignore_eos": ["yes", 1], "stop_token_ids": [1, ["1"], [1.5], "x"], "request_id": [1, [], {}],
     "stream_options": ["x", 1, [], {"include_usage": "yes"}, {"bogus": True}],
-    "logit_bias": ["x", 1, [], {"a": "b"}, {"1": "x"}, {"1": 5}],
+    "logit_bias": ["x", 1, [], {"a": "b"}, {"1": "x"}, {"1": 500}, {"-3": 1}, {"99999999": 1}],
+    "response_format": ["x", 1, [], {}, {"type": "yaml"}, {"type": "json_schema"},
+                        {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}}],
     "best_of": ["1", 2, 1.5],
 }
 _BAD_COMPLETION = {"prompt": [None, 1, {}, [1.5], [[None]], [["a"]], True, [1, "a"]],

@@ -28,8 +28,11 @@ def client():
 @pytest.mark.parametrize("path, extra, param", [
     ("/v1/completions", {"logit_bias": {"a": "b"}}, "logit_bias"),     # garbage, was ignored
     ("/v1/completions", {"logit_bias": "x"}, "logit_bias"),
-    ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),  # well formed, not honoured yet
-    ("/v1/chat/completions", {"logit_bias": {"1": 5}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),  # id beyond the vocabulary (49152)
+    ("/v1/chat/completions", {"logit_bias": {"1": 101}}, "logit_bias"),   # |bias| > 100
+    ("/v1/chat/completions", {"logit_bias": {"-1": 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"1.5": 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"99999999999": 5}}, "logit_bias"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"max_tokens": "2"}, "max_tokens"),            # was coerced
     ("/v1/completions", {"max_tokens": 2.5}, "max_tokens"),
@@ -39,7 +42,19 @@ def client():
     ("/v1/completions", {"seed": True}, "seed"),
     ("/v1/completions", {"stop_token_ids": ["1"]}, "stop_token_ids"),
     ("/v1/completions", {"frobnicate": 1}, "frobnicate"),              # unknown field, was dropped
-    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/completions", {"response_format": "json"}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object", "json_schema": {"name": "a"}}},
+     "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format"),                                                # name is required
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "a", "schema": {"type": "nope"}}}},
+     "response_format"),                                                # malformed schema
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "a", "schema": {"type": "object",
+                                                                  "required": 5}}}}, "response_format"),
     ("/v1/chat/completions", {"tools": []}, "tools"),
     ("/v1/completions", {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
     ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
@@ -60,6 +75,11 @@ def test_refused_by_name(client, path, extra, param):
 
 @pytest.mark.parametrize("path, extra", [
     ("/v1/completions", {"logit_bias": {}}),
+    ("/v1/completions", {"logit_bias": {"1": 5, "49151": -100.0}}),
+    ("/v1/completions", {"response_format": {"type": "json_object"}}),
+    ("/v1/completions", {"response_format": {"type": "text"}}),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
     ("/v1/completions", {"best_of": 1, "temperature": 0, "top_p": 1}),   # ints for float fields are fine
     ("/v1/completions", {"stream": True, "stream_options": {"include_usage": True}}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
