@@ -70,7 +70,13 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     # role-specific knobs, accepted by both commands so one flag set can start either role
     parser.add_argument("--destination-timeout", type=float, default=120.0,
                         help="[prefill] seconds a request waits for D's KV destination (and an early "
-                             "destination waits for its request) before it fails")
+                             "destination waits for its request) before it fails; a Prefill call with "
+                             "a deadline waits until its deadline instead (D may queue it under memory "
+                             "pressure)")
+    parser.add_argument("--grpc-threads", type=_at_least_8, default=1024,
+                        help="gRPC server threads: every open Generate stream (decode) and Prefill call "
+                             "(prefill) holds one until it ends, so this bounds concurrent requests; "
+                             "health checks and GetLoad need free ones too. Threads start on demand")
     parser.add_argument("--kv-wait-timeout", type=float, default=180.0,
                         help="[decode] seconds a pre-allocated request waits for P's KV and notice")
     parser.add_argument("--kv-write-window", type=float, default=120.0,
@@ -205,9 +211,9 @@ class Worker:
         self.kv_events.incarnation = self.transfer.incarnation
         sched.kv_events = self.kv_events
 
-    def start_server(self, add_service, service_name: str, max_workers: int = 64) -> None:
+    def start_server(self, add_service, service_name: str) -> None:
         a = self.args
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=a.grpc_threads,
                                                              thread_name_prefix=f"{self.role}-grpc"),
                                   interceptors=[*self.credentials.server_interceptors(),
                                                 InvalidRequestInterceptor()])
@@ -269,6 +275,16 @@ class Worker:
         if self.transfer is not None:
             self.transfer.close()
         M.stop_metrics_servers()
+
+
+def _at_least_8(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 8:
+        raise argparse.ArgumentTypeError(f"expected >= 8, got {n}")
+    return n
 
 
 def fail_start(msg: str) -> int:

@@ -82,6 +82,9 @@ class PrefillJob:
     params: SamplingParams
     grammar: GrammarState | None = None  # structured output: constrains the first token
     arrived: float = field(default_factory=time.monotonic)
+    # how long it may wait for D's destination: the Prefill call's own deadline (D may queue the
+    # request under memory pressure for longer than any fixed timeout), else --destination-timeout
+    destination_deadline: float | None = None
     reply: Future = field(default_factory=Future)  # -> prefill_pb2.PrefillResult | ServiceError
     state: JobState = JobState.QUEUED
     lease: KVLease | None = None   # P's row and pages, from admission until release

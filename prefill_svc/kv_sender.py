@@ -78,7 +78,8 @@ class DeltaSender:
         runner: P's model runner (its pool and request rows hold the pages to send).
         geometry: P's pool geometry (as published); book: D's destinations by room.
         ends: how a job ends (the scheduler).
-        destination_timeout_s: a job without a destination this long after arrival fails
+        destination_timeout_s: a job without a destination this long after arrival fails (a job
+            whose Prefill call has a deadline waits until that deadline instead)
             DEADLINE_EXCEEDED; checksums: put page checksums in every ok notice.
         transfer_log: the JSONL log.
         lease_valid_for: seconds P's registry lease is still certainly held
@@ -128,10 +129,12 @@ class DeltaSender:
             self.notify_failed(dest, "destination expired: no prefill request for this room")
         now = time.monotonic()
         for job in list(self.unclaimed.values()):
-            if not job.failed and now - job.arrived > self.destination_timeout_s:
+            limit = job.destination_deadline if job.destination_deadline is not None \
+                else job.arrived + self.destination_timeout_s
+            if not job.failed and now > limit:
                 self.ends.fail(job, ServiceError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"no KV destination from decode within {self.destination_timeout_s:g} s"))
+                    f"no KV destination from decode within {limit - job.arrived:.3g} s"))
 
     def claim(self) -> None:
         """Give each waiting job the destination D offered for its room, if one arrived."""

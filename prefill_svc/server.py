@@ -49,6 +49,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         job = PrefillJob(request_id=request.request_id, room=int(request.room),
                          prompt_ids=list(request.input_ids), params=params, grammar=grammar)
+        remaining = context.time_remaining()
+        if remaining is not None:  # the caller's deadline bounds the wait for D's destination
+            job.destination_deadline = job.arrived + remaining
         fut = self.sched.submit(job)
         context.add_callback(lambda: fut.done() or self.sched.abort_job(job, "prefill call cancelled"))
         try:

@@ -4,6 +4,7 @@ sampling continued on D, health / reflection / metrics. KV accounting is checked
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -168,4 +169,34 @@ def test_health_reflection_metrics(pd_stack):
     assert value(d, "halfmoon_decode_generated_tokens_total") > 0
     assert 'halfmoon_worker_info{' in p and 'role="prefill"' in p and 'role="decode"' in d
     assert "halfmoon_decode_" not in p and "halfmoon_prefill_" not in d   # one owner per metric
+    assert_idle_accounting(pd_stack)
+
+
+def test_many_open_streams_leave_health_checks_and_requests_served(pd_stack, drv, ids, ref):
+    """Every open server stream (Generate on D, Prefill on P, KVEvents subscriptions) holds one gRPC
+    thread until it ends. With 64 threads (the old fixed pool) 100 open streams starved the health
+    check, so the router marked a busy worker unhealthy (seen at 256 concurrent requests on the GPU)."""
+    from protos import kv_events_pb2, kv_events_pb2_grpc
+
+    channels, calls = [], []
+    try:
+        for addr in (pd_stack.prefill_addr, pd_stack.decode_addr):
+            ch = grpc.insecure_channel(addr)
+            channels.append(ch)
+            stub = kv_events_pb2_grpc.KVEventsStub(ch)
+            calls += [stub.Subscribe(kv_events_pb2.SubscribeKVEventsRequest(), timeout=60) for _ in range(100)]
+        time.sleep(1.0)  # the streams reach the servers and take their threads
+        for addr, svc in ((pd_stack.prefill_addr, "halfmoon.v1.Prefill"), (pd_stack.decode_addr, "halfmoon.v1.Decode")):
+            with grpc.insecure_channel(addr) as ch:
+                h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=svc), timeout=5)
+                assert h.status == health_pb2.HealthCheckResponse.SERVING
+        r = drv.generate(ids, 8)
+        assert r.ok and r.tokens == ref
+        for call in calls:
+            assert next(call).incarnation  # every stream is open: its snapshot came
+    finally:
+        for call in calls:
+            call.cancel()
+        for ch in channels:
+            ch.close()
     assert_idle_accounting(pd_stack)

@@ -419,3 +419,26 @@ def test_duplicate_room_and_load_report(pair):
     pd.offer(pd.destination(61, len(ids)))
     assert a.reply.result(10).pages_sent == 3
     pd.assert_idle_accounting()
+
+
+def test_a_call_deadline_bounds_the_wait_for_a_destination(pair):
+    """D may queue a request under memory pressure for longer than --destination-timeout: a Prefill
+    call with a deadline waits until that deadline, not the fixed timeout (which failed such requests)."""
+    pd = pair(dest_timeout_s=0.3)
+    ids = prompt(17, 10)
+    job = PrefillJob(request_id="r71", room=71, prompt_ids=list(ids),
+                     params=SamplingParams(max_tokens=4, temperature=0.0))
+    job.destination_deadline = job.arrived + 30.0
+    pd.sched.submit(job)
+    time.sleep(1.0)                                            # past the 0.3 s fixed timeout
+    assert not job.reply.done()
+    pd.offer(pd.destination(71, len(ids)))
+    assert job.reply.result(10).room == 71
+    pd.notices()
+    late = PrefillJob(request_id="r72", room=72, prompt_ids=list(prompt(18, 10)),
+                      params=SamplingParams(max_tokens=4, temperature=0.0))
+    late.destination_deadline = late.arrived + 0.5
+    pd.sched.submit(late)
+    err = error_of(late)
+    assert err.code is grpc.StatusCode.DEADLINE_EXCEEDED and "destination" in str(err)
+    pd.assert_idle_accounting()
