@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import threading
 
 import torch
 
@@ -80,13 +81,27 @@ class GrammarCompiler:
     """
 
     def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
-        import xgrammar as xgr
-
-        self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=stop_token_ids or None)
+        # built on the first structured request: building the tokenizer table takes a while, and a
+        # worker without xgrammar installed still serves every other request
+        self._hf, self._stop = hf_tokenizer, stop_token_ids
+        self._lock = threading.Lock()
+        self._xgr = None
+        self._compiler = None
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+
+    def _built(self):
+        with self._lock:
+            if self._compiler is None:
+                try:
+                    import xgrammar as xgr
+                except ImportError as exc:
+                    raise InvalidRequestError("structured", "structured output needs the xgrammar "
+                                                            "package on this worker") from exc
+                info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._stop or None)
+                self._xgr = xgr
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+            return self._compiler
 
     def compile(self, spec: GrammarSpec):
         """-> xgrammar CompiledGrammar.
@@ -95,10 +110,10 @@ class GrammarCompiler:
             InvalidRequestError: ``spec.field``, when the schema / regex / grammar does not parse,
                 uses what xgrammar cannot enforce, or is longer than ``MAX_GRAMMAR_CHARS``.
         """
-        c = self._compiler
         if len(spec.source) > MAX_GRAMMAR_CHARS:
             raise InvalidRequestError(spec.field, f"{spec.kind.value} of {len(spec.source)} characters exceeds "
                                                   f"{MAX_GRAMMAR_CHARS}")
+        c = self._built()
         try:
             if spec.kind is GrammarKind.JSON_OBJECT:
                 return c.compile_json_schema('{"type": "object"}', **_JSON_OPTS)
