@@ -137,7 +137,8 @@ class GrammarCompiler:
 
     def state(self, spec: GrammarSpec) -> GrammarState:
         """A fresh matcher for one request (raises like :meth:`compile`)."""
-        return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+        compiled = self.compile(spec)  # builds the compiler (and self._xgr) on first use
+        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size)
 
 
 def apply_grammars(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
