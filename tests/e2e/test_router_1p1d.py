@@ -45,6 +45,11 @@ def cases(tok):
             ("chat", {"chat": msgs}, prompts[2], refs[2])]
 
 
+def _auth(stack) -> dict:
+    """The stack's API key as the HTTP bearer header (`halfmoon up` makes one)."""
+    return {"Authorization": f"Bearer {stack.endpoints['api_key']}"}
+
+
 def collect(stub, timeout=120, **kw):
     resps = list(stub.Generate(router_pb2.GenerateRequest(**kw), timeout=timeout))
     return [t for r in resps for t in r.token_ids], "".join(r.text for r in resps), resps[-1]
@@ -138,7 +143,7 @@ def test_http_disconnect_frees_both_legs(stack, cases):
     url = f"http://{stack.endpoints['router']['http']}/v1/completions"
     body = {"model": MODEL, "prompt": inp["text"], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.stream("POST", url, json=body, timeout=60) as r:
+    with httpx.stream("POST", url, json=body, timeout=60, headers=_auth(stack)) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
@@ -151,7 +156,7 @@ def test_http_non_stream_client_gone_frees_both_legs(stack, cases):
     url = f"http://{stack.endpoints['router']['http']}/v1/completions"
     body = {"model": MODEL, "prompt": inp["text"], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url, json=body, timeout=httpx.Timeout(10, read=1.5))   # gives up, closes the connection
+        httpx.post(url, json=body, timeout=httpx.Timeout(10, read=1.5), headers=_auth(stack))   # gives up, closes the connection
     assert_idle_accounting(worker_targets(stack), timeout=ABORT_IDLE_S, credentials=stack.credentials.client())
 
 

@@ -19,7 +19,7 @@ def test_mismatched_pools_are_never_paired(tmp_path):
         http = f"http://{st.endpoints['router']['http']}"
         t0 = time.monotonic()
         r = httpx.post(f"{http}/v1/completions", timeout=60,
-                       json={"model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 4})
+                       headers={"Authorization": f"Bearer {st.endpoints['api_key']}"}, json={"model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 4})
         took = time.monotonic() - t0
         assert r.status_code == 503, r.text
         msg = r.json()["error"]["message"]

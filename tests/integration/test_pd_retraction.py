@@ -117,7 +117,7 @@ def test_16_chats_without_max_tokens_run_together(tmp_path):
                       worker_args=["--transport", "sm"])  # the default pools and batch sizes
     with Stack(cfg) as st:
         decode = st.endpoints["decode"][0]["grpc"]
-        client = openai.OpenAI(base_url=f"http://{st.endpoints['router']['http']}/v1", api_key="x",
+        client = openai.OpenAI(base_url=f"http://{st.endpoints['router']['http']}/v1", api_key=st.endpoints["api_key"],
                                timeout=75, max_retries=0)
         peak = [0]
         done = threading.Event()

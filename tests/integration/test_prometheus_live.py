@@ -152,7 +152,7 @@ def prometheus(stack, tmp_path_factory):
 def _send_traffic(stack) -> None:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"http://{stack['router']['http']}/v1", api_key="unused", timeout=120)
+    client = OpenAI(base_url=f"http://{stack['router']['http']}/v1", api_key=stack.get("api_key") or "unused", timeout=120)
 
     def one(question: str) -> int:
         stream = client.completions.create(model=stack["model"], prompt=PREFIX + question, max_tokens=8,
