@@ -27,7 +27,6 @@ mTLS with ``--tls``, none with ``--no-auth``; the ENDPOINTS JSON carries what cl
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import re
@@ -43,25 +42,13 @@ from pathlib import Path
 import grpc
 
 from engine.model_store import DEFAULT_MODEL
+from halfmoon.child_process import Proc
 from halfmoon.stack_credentials import AuthMode, StackCredentials, add_auth_arguments, auth_mode, describe, prepare
 from router_svc.policies import POLICY_NAMES
-from security import TOKEN_ENV
 
 _REGISTRY_RE = re.compile(r"registry listening grpc=(\S+) metrics=(\S+)")
 _WORKER_RE = re.compile(r"READY (\S+) grpc=(\S+)(?: metrics=(\S*))?")
 _ROUTER_RE = re.compile(r"READY router grpc=(\S+) http=(\S+) metrics=(\S+)")
-
-
-try:  # loaded here, in the parent: the child between fork and exec must not dlopen (lock held by a thread)
-    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-except (OSError, AttributeError):
-    _prctl = None
-
-
-def _pdeathsig() -> None:
-    """Runs in the child between fork and exec: SIGTERM it when the launcher dies (PR_SET_PDEATHSIG)."""
-    if _prctl is not None:
-        _prctl(1, signal.SIGTERM)
 
 
 def cpu_count() -> int:
@@ -74,47 +61,6 @@ def cpu_count() -> int:
 def threads_per_worker(n_workers: int, cores: int | None = None) -> int:
     """Torch intra-op threads per worker: the cores split evenly, at least 1 (1 when workers > cores)."""
     return max(1, (cores or cpu_count()) // max(1, n_workers))
-
-
-@dataclass
-class Proc:
-    name: str
-    argv: list[str]
-    log: Path
-    ready_re: re.Pattern
-    popen: subprocess.Popen | None = None
-    match: re.Match | None = None
-    extra_env: dict = field(default_factory=dict)
-
-    def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.extra_env)
-        env.pop(TOKEN_ENV, None)  # the launcher's credentials decide (halfmoon.stack_credentials), not ours
-        with open(self.log, "wb") as out:
-            self.popen = subprocess.Popen([sys.executable, "-m", "halfmoon", *self.argv], stdout=out,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                          start_new_session=True, preexec_fn=_pdeathsig, cwd=os.getcwd())
-
-    def poll_ready(self) -> bool:
-        if self.match is None:
-            m = self.ready_re.search(self.log.read_text(errors="replace"))
-            self.match = m
-        return self.match is not None
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            try:
-                os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                pass
 
 
 @dataclass
