@@ -62,6 +62,11 @@ halfmoon.io/job: halfmoon-{{ .component }}
 {{- toYaml $src -}}
 {{- end -}}
 
+{{/* The registry's etcd key prefix: registry.etcd.prefix, else one per release and namespace. */}}
+{{- define "halfmoon.etcdPrefix" -}}
+{{- default (printf "/halfmoon/%s/%s/" .Release.Namespace (include "halfmoon.fullname" .)) .Values.registry.etcd.prefix -}}
+{{- end -}}
+
 {{- define "halfmoon.registryAddress" -}}
 {{- printf "%s-registry:%d" (include "halfmoon.fullname" .) (int .Values.registry.port) -}}
 {{- end -}}
@@ -342,7 +347,7 @@ spec:
 {{- toJson $args -}}
 {{- end -}}
 
-{{/* Volumes (mounts: "mounts" true) of a component for the enabled trust options (a JSON list). */}}
+{{/* Secret volumes of a component for the enabled trust options and the registry's etcd TLS (a JSON list). */}}
 {{- define "halfmoon.securityVolumes" -}}
 {{- $s := .root.Values.security -}}
 {{- $out := list -}}
@@ -354,6 +359,10 @@ spec:
 {{- end -}}
 {{- if $s.tls.enabled -}}
 {{- $out = append $out (dict "name" "tls" "path" "/etc/halfmoon/tls" "secret" (include "halfmoon.tlsSecret" .)) -}}
+{{- end -}}
+{{- $r := .root.Values.registry -}}
+{{- if and (eq .component "registry") (eq $r.backend "etcd") $r.etcd.tls.existingSecret -}}
+{{- $out = append $out (dict "name" "etcd-tls" "path" "/etc/halfmoon/etcd-tls" "secret" $r.etcd.tls.existingSecret) -}}
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}
