@@ -126,7 +126,7 @@ def test_json_schema_outputs_parse_and_validate(client, stack):
         outs = list(ex.map(lambda a: _chat_json(client, *a), [(p, s, i) for i, (p, s) in enumerate(SCHEMAS)]))
     for (prompt, schema), text in zip(SCHEMAS, outs):
         jsonschema.validate(json.loads(text), schema)
-    assert_idle_accounting(worker_targets(stack))
+    assert_idle_accounting(worker_targets(stack), credentials=stack.credentials.client())
 
 
 def test_json_object_and_completions_response_format(client):
@@ -240,7 +240,7 @@ def test_tool_call_round_trip(client, stack):
     alone = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
                                            temperature=0, max_tokens=1)
     assert final.usage.prompt_tokens > alone.usage.prompt_tokens + 20
-    assert_idle_accounting(worker_targets(stack))
+    assert_idle_accounting(worker_targets(stack), credentials=stack.credentials.client())
 
 
 def test_forced_tool_call_streamed(client):
