@@ -1,6 +1,7 @@
 """One child process of ``halfmoon up``: ``python -m halfmoon <serve-...>`` in its own session
-(process group) with ``PR_SET_PDEATHSIG``, so it dies with the launcher even on SIGKILL; output to its
-log file; ready when its ready line appears there."""
+(process group) that arms ``PR_SET_PDEATHSIG`` itself at start (:func:`arm_parent_death_signal`), so
+it dies with the launcher even on SIGKILL; output to its log file; ready when its ready line appears
+there."""
 
 from __future__ import annotations
 
@@ -16,16 +17,26 @@ from pathlib import Path
 from security import TOKEN_ENV
 
 
-try:  # loaded here, in the parent: the child between fork and exec must not dlopen (lock held by a thread)
-    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-except (OSError, AttributeError):
-    _prctl = None
+PARENT_ENV = "HALFMOON_PARENT_PID"
 
 
-def _pdeathsig() -> None:
-    """Runs in the child between fork and exec: SIGTERM it when the launcher dies (PR_SET_PDEATHSIG)."""
-    if _prctl is not None:
-        _prctl(1, signal.SIGTERM)
+def arm_parent_death_signal() -> None:
+    """In a child of ``halfmoon up`` (``$HALFMOON_PARENT_PID`` set): SIGTERM this process when the
+    launcher dies, even by SIGKILL (``PR_SET_PDEATHSIG``), and exit at once if it already has.
+
+    Done by the child at start, not in a ``preexec_fn``: a ``preexec_fn`` makes ``subprocess`` run
+    Python's at-fork handlers in the forked child of a multi-threaded process, and one of a library
+    (filelock's) crashed that child with SIGSEGV.
+    """
+    parent = os.environ.pop(PARENT_ENV, "")
+    if not parent:
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass
@@ -39,12 +50,12 @@ class Proc:
     extra_env: dict = field(default_factory=dict)
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.extra_env)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.extra_env, **{PARENT_ENV: str(os.getpid())})
         env.pop(TOKEN_ENV, None)  # the launcher's credentials decide (halfmoon.stack_credentials), not ours
         with open(self.log, "wb") as out:
             self.popen = subprocess.Popen([sys.executable, "-m", "halfmoon", *self.argv], stdout=out,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                          start_new_session=True, preexec_fn=_pdeathsig, cwd=os.getcwd())
+                                          start_new_session=True, cwd=os.getcwd())
 
     def poll_ready(self) -> bool:
         if self.match is None:

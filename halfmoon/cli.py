@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from halfmoon.child_process import arm_parent_death_signal
+
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("halfmoon.models_cmd", "pull and list models in the local model cache"),
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     name, rest = argv[0], argv[1:]
+    arm_parent_death_signal()
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"halfmoon {name}", description=COMMANDS[name][1],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
