@@ -119,12 +119,13 @@ def test_16_chats_without_max_tokens_run_together(tmp_path):
         decode = st.endpoints["decode"][0]["grpc"]
         client = openai.OpenAI(base_url=f"http://{st.endpoints['router']['http']}/v1", api_key=st.endpoints["api_key"],
                                timeout=75, max_retries=0)
+        creds = st.credentials.client()
         peak = [0]
         done = threading.Event()
 
         def watch():
             while not done.is_set():
-                peak[0] = max(peak[0], get_load(decode, "decode").running_requests)
+                peak[0] = max(peak[0], get_load(decode, "decode", creds).running_requests)
                 time.sleep(0.05)
 
         def chat(text):
@@ -144,4 +145,5 @@ def test_16_chats_without_max_tokens_run_together(tmp_path):
         elapsed = time.monotonic() - t0
         assert all(reason == "stop" for reason, _ in out), out
         assert peak[0] == len(CHATS), f"at most {peak[0]} chats decoded together ({elapsed:.1f} s)"
-        assert_idle_accounting([("decode", decode), ("prefill", st.endpoints["prefill"][0]["grpc"])])
+        assert_idle_accounting([("decode", decode), ("prefill", st.endpoints["prefill"][0]["grpc"])],
+                               credentials=creds)
