@@ -35,6 +35,19 @@ def non_negative_int(value: str) -> int:
     return n
 
 
+def int_at_least(minimum: int):
+    """argparse type factory: an int >= ``minimum`` (argparse names the flag in the error)."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"expected >= {minimum}, got {n}")
+        return n
+    return parse
+
+
 def non_negative_float(value: str) -> float:
     """argparse type: a finite float >= 0 (argparse names the flag in the error)."""
     try:

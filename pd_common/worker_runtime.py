@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.device import check_device, device_spec
+from engine.engine_args import int_at_least
 from protos.request_guard import InvalidRequestInterceptor
 from security import ClusterCredentials, CredentialsError
 from security.flags import add_cluster_auth_args
@@ -73,7 +74,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                              "destination waits for its request) before it fails; a Prefill call with "
                              "a deadline waits until its deadline instead (D may queue it under memory "
                              "pressure)")
-    parser.add_argument("--grpc-threads", type=_at_least_8, default=1024,
+    parser.add_argument("--grpc-threads", type=int_at_least(8), default=1024,
                         help="gRPC server threads: every open Generate stream (decode) and Prefill call "
                              "(prefill) holds one until it ends, so this bounds concurrent requests; "
                              "health checks and GetLoad need free ones too. Threads start on demand")
@@ -275,16 +276,6 @@ class Worker:
         if self.transfer is not None:
             self.transfer.close()
         M.stop_metrics_servers()
-
-
-def _at_least_8(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 8:
-        raise argparse.ArgumentTypeError(f"expected >= 8, got {n}")
-    return n
 
 
 def fail_start(msg: str) -> int:
