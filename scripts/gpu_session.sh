@@ -9,10 +9,11 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_CUDA_ARCH_LIST=9.0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 site=/tmp/site; mkdir -p $site
-for d in wheels-fi wheels-ucx wheels-svc; do
-  if ls $d/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --target $site $d/*.whl; fi
+for d in wheels-fi wheels-ucx wheels-svc wheels-tools; do
+  if ls $d/*.whl >/dev/null 2>&1; then python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target $site $d/*.whl 2>&1 | grep -v "already exists"; fi
 done
-export PYTHONPATH=$site:$PWD
+export PYTHONPATH=$site:$PWD PATH=$site/bin:$PATH
+for m in gpu-cache/*.txz; do [ -f "$m" ] && tar -xJf "$m" -C gpu-cache; done  # model dirs (config + tokenizer), xz'd to fit the carry
 if [ -f gpu-cache/libucx-slim.tgz ]; then tar -xzf gpu-cache/libucx-slim.tgz -C $site; fi  # slim libucx-cu13 (libs only)
 # Compiled flashinfer ops: flashinfer 0.6.18 rebuilds a JIT-cache .so unless ninja's .o files are
 # there too, but it loads <package>/data/aot/<module>/<module>.so without building: restore them there.
