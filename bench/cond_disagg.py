@@ -1,6 +1,7 @@
-"""Conditional disaggregation measured on multi-turn chat: today's per-role ``cache_aware`` vs
-``--policy kv_events`` with ``--local-prefill-max-tokens`` (a follow-up turn whose uncached tail is
-short is prefilled by D itself, no prefill leg), on 1P1D and 2P2D, all in one run.
+"""Conditional disaggregation measured on multi-turn chat: today's per-role ``cache_aware``, event
+routing alone (``--policy kv_events``) and event routing with ``--local-prefill-max-tokens`` (a
+request whose uncached tail on D is short is prefilled by D itself, no prefill leg), on 1P1D and
+2P2D, all in one run.
 
     python -m bench.cond_disagg --num-requests 16 --concurrency 2 \\
         --output bench/results/cond_disagg_cpu.json
@@ -24,7 +25,8 @@ from bench.kv_routing import run_stack, table
 
 POLICIES = {"cache_aware": ["--policy", "per_role", "--prefill-policy", "cache_aware",
                             "--decode-policy", "cache_aware"],
-            "kv_events+local": ["--policy", "kv_events"]}
+            "kv_events": ["--policy", "kv_events"],
+            "kv_events+local": ["--policy", "kv_events"]}  # + --local-prefill-max-tokens (main)
 TOPOLOGIES = ((1, 1), (2, 2))
 COLS = ["topology", "policy", "completed", "ttft_p50_ms", "ttft_p99_ms", "itl_mean_ms", "itl_p99_ms",
         "prefill_tokens_on_p", "prefill_tokens_on_d", "local_prefills", "kv_bytes_transferred"]
