@@ -32,11 +32,19 @@ def _halfmoon(*argv: str) -> list[str]:
 
 def run_policy(name: str, args: argparse.Namespace, work: Path) -> dict:
     """One stack with policy ``name``, one bench serve run on it; returns bench serve's summary."""
+    return run_stack(name, POLICIES[name], args.prefill, args.decode, args, work)["summary"]
+
+
+def run_stack(name: str, up_flags: list[str], prefill: int, decode: int, args: argparse.Namespace,
+              work: Path) -> dict:
+    """A fresh ``halfmoon up`` with ``up_flags``, one ``bench serve --workload multi-turn`` run on it
+    (``args``: turns, user_len, output_len, num_requests, concurrency, seed); returns bench serve's
+    whole result (``summary`` and the ``metrics`` deltas of every worker)."""
     ep_file, out = work / f"{name}_endpoints.json", work / f"{name}_serve.json"
-    up = subprocess.Popen(_halfmoon("up", "--prefill", str(args.prefill), "--decode", str(args.decode),
+    up = subprocess.Popen(_halfmoon("up", "--prefill", str(prefill), "--decode", str(decode),
                                     "--base-port", "0", "--kv-memory-mb", "64", "--decode-kv-memory-mb", "128",
                                     "--log-dir", str(work / name), "--endpoints-file", str(ep_file),
-                                    *POLICIES[name]),
+                                    *up_flags),
                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
@@ -53,7 +61,7 @@ def run_policy(name: str, args: argparse.Namespace, work: Path) -> dict:
     finally:
         os.killpg(up.pid, signal.SIGTERM)
         up.wait(60)
-    return json.loads(out.read_text())["summary"]
+    return json.loads(out.read_text())
 
 
 def row(name: str, s: dict) -> dict:
@@ -66,9 +74,12 @@ def row(name: str, s: dict) -> dict:
             "kv_bytes_transferred": s["kv_usage"]["bytes_transferred"]}
 
 
-def table(rows: list[dict]) -> str:
-    cols = ["policy", "completed", "ttft_p50_ms", "ttft_p99_ms", "prompt_tokens", "prefill_tokens_computed",
-            "decode_prefix_tokens", "kv_bytes_transferred"]
+TABLE_COLS = ["policy", "completed", "ttft_p50_ms", "ttft_p99_ms", "prompt_tokens", "prefill_tokens_computed",
+              "decode_prefix_tokens", "kv_bytes_transferred"]
+
+
+def table(rows: list[dict], cols: list[str] = TABLE_COLS) -> str:
+    """A markdown table of ``rows`` over ``cols`` (floats rounded)."""
     fmt = lambda v: f"{v:.0f}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]

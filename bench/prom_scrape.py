@@ -23,6 +23,9 @@ KV_METRICS = {
     "decode_prompt_tokens": "halfmoon_decode_prompt_tokens_total",
     "decode_prefix_hit_tokens": "halfmoon_decode_prefix_hit_tokens_total",
     "decode_generated_tokens": "halfmoon_decode_generated_tokens_total",
+    "decode_local_prefills": "halfmoon_decode_local_prefills_total",
+    "decode_local_prefill_tokens": "halfmoon_decode_local_prefill_tokens_total",
+    "decode_resume_recomputed_tokens": "halfmoon_decode_resume_recomputed_tokens_total",
     "decode_evicted_pages": "halfmoon_decode_evicted_pages_total",
 }
 _MONOTONIC_TYPES = ("counter", "histogram", "summary")

@@ -1,11 +1,12 @@
 """A decode request on D and the states it passes through.
 
     PREALLOC ─row+pages─> TRANSFER ─P's notice ok─> WAITING ─batch slot─> RUNNING ─finish─> DONE
-                                                          ^                      │
-                                                          └─resume── RETRACTED <─┘ pool short
+                                                      ^   ^                      │
+    LOCAL_PREFILL ─tail computed, first token sampled─┘   └─resume── RETRACTED <─┘ pool short
 
 Each state but DONE is one queue that owns the job: ``PreallocQueue`` (PREALLOC), ``KVWaitQueue``
-(TRANSFER), ``RunningBatch`` (WAITING and RUNNING), ``DecodeMemory`` (RETRACTED). Any state may end
+(TRANSFER), ``RunningBatch`` (WAITING and RUNNING), ``DecodeMemory`` (RETRACTED),
+``LocalPrefillQueue`` (LOCAL_PREFILL: no prefill leg, D computes the prompt's uncached tail). Any state may end
 early (abort, timeout, P's failure); only a TRANSFER job can leave pages behind that P may still write (the quarantine).
 """
 
@@ -28,6 +29,7 @@ class JobState(enum.Enum):
     RUNNING = "running"    # in the decode batch
     RETRACTED = "retracted"  # pool short: KV given back (full pages kept by the radix cache), waits to
     # resume; holds a lease again while D recomputes its tail (DecodeMemory.resuming)
+    LOCAL_PREFILL = "local_prefill"  # no P leg: waiting for a row, or D computing the uncached tail
     DONE = "done"
 
 
@@ -65,6 +67,7 @@ class DecodeJob:
     params: SamplingParams
     prefill_address: str
     prefill_worker_id: str = ""    # optional (router): P's segment name, for liveness before P answers
+    local_prefill: bool = False    # D prefills the prompt itself (DecodeRequest.local_prefill)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     state: JobState = JobState.PREALLOC
     seq: int = 0                   # arrival order on the scheduler thread (batch order)
@@ -82,7 +85,7 @@ class DecodeJob:
     output_ids: list[int] = field(default_factory=list)
     generator: object = None       # torch.Generator for non-greedy sampling
     grammar: GrammarState | None = None  # structured output; P's first token is replayed into it
-    cached_tokens: int = 0         # P's own prefix-cache hit
+    cached_tokens: int = 0         # P's own prefix-cache hit (D's with local_prefill)
     pages_transferred: int = 0
     bytes_transferred: int = 0
     finish_reason: str = ""

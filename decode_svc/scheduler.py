@@ -11,6 +11,9 @@ A request's path, each stage a queue that owns its jobs::
   SetDestination outcomes, liveness of P (``decode_svc.kv_wait``).
 * ``RunningBatch``: one DECODE forward a step for every running request, tokens streamed as they
   come, optionally overlapped (``decode_svc.running``, ``decode_svc.overlap``).
+* ``LocalPrefillQueue``: requests with no prefill leg (conditional disaggregation): D computes the
+  prompt's uncached tail itself and samples the first token, then they join the running batch
+  (``decode_svc.local_prefill``).
 * ``Quarantine``: pages P may still write after their request ended (``decode_svc.quarantine``).
 * ``DecodeMemory``: reserve, projected admission, retraction when a step cannot grow a request,
   and the resume of retracted requests, ahead of any new one (``decode_svc.memory``).
@@ -32,6 +35,7 @@ import grpc
 
 from decode_svc.jobs import DecodeJob, DestState, JobState
 from decode_svc.kv_wait import KVWaitQueue
+from decode_svc.local_prefill import LocalPrefillQueue
 from decode_svc.memory import DecodeMemory
 from decode_svc.messages import DestResult, Notice, PeerGone, PrefillNet
 from decode_svc.page_checksums import PageChecksums
@@ -116,6 +120,8 @@ class DecodeScheduler(SchedulerLoop):
         self.prealloc = PreallocQueue(self.kv, net, self.kv_wait, segment_name=segment_name,
                                       memory=self.memory, live=self.jobs.values, checksums=checksums,
                                       fence=fence, page_sums=self.page_sums)
+        self.local = LocalPrefillQueue(runner, self.kv, self.memory, self.jobs.values,
+                                       chunk_tokens=self.memory.chunk_tokens, page_sums=self.page_sums)
         self._arrivals = itertools.count()
         self._notice_thread = threading.Thread(target=self._pump_notices, name="decode-notices", daemon=True)
 
@@ -163,9 +169,9 @@ class DecodeScheduler(SchedulerLoop):
                 time.sleep(0.1)
 
     def idle_wait(self) -> float:
-        if self.running.busy or self.memory.resuming:
+        if self.running.busy or self.memory.resuming or self.local.computing:
             return 0.0
-        return 0.01 if len(self.prealloc) or len(self.memory) else 0.1
+        return 0.01 if len(self.prealloc) or len(self.memory) or len(self.local) else 0.1
 
     def handle(self, msg: object) -> None:
         match msg:
@@ -195,12 +201,13 @@ class DecodeScheduler(SchedulerLoop):
         self.memory.resume(self.jobs.values(), self.running.settle, self.running.add_waiting)
         if not len(self.memory):  # retracted requests come back before any new one is admitted
             self.prealloc.schedule()
+        self.local.step(not len(self.memory), self.running.settle, self.running.start)
         self.running.join()
         self.running.step()
         self._gauges()
 
     def on_iteration_error(self) -> None:
-        for job in sorted(self.running.jobs(), key=lambda j: j.seq):
+        for job in sorted(self.running.jobs() + self.local.computing, key=lambda j: j.seq):
             self._fail(job, ServiceError(grpc.StatusCode.INTERNAL, "decode scheduler error"))
 
     def live_jobs(self) -> list:
@@ -218,7 +225,7 @@ class DecodeScheduler(SchedulerLoop):
             return
         job.seq = next(self._arrivals)
         self.jobs[job.room] = job
-        self.prealloc.add(job)
+        (self.local if job.local_prefill else self.prealloc).add(job)
 
     def _abort(self, msg: Abort) -> None:
         for job in abort_targets(self.jobs, msg):
@@ -260,7 +267,8 @@ class DecodeScheduler(SchedulerLoop):
         elif job.state is JobState.RETRACTED:
             self.memory.discard(job)  # a lease only while its tail is being recomputed
         else:
-            (self.prealloc if job.state is JobState.PREALLOC else self.kv_wait).discard(job)
+            queue = {JobState.PREALLOC: self.prealloc, JobState.LOCAL_PREFILL: self.local}.get(job.state, self.kv_wait)
+            queue.discard(job)
             withhold = self.quarantine.hold(job) if quarantine else ()
             job.release_kv(self.kv, keep_tokens=not quarantine, withhold=withhold)
         job.state = JobState.DONE
@@ -283,7 +291,7 @@ class DecodeScheduler(SchedulerLoop):
             locked_pages=st.protected_pages, owned_pages=self._owned(), min_lock_ref=st.min_lock_ref,
             held_rooms=len(self.jobs) + len(self.quarantine), held_req_slots=self.kv.r2t.num_used)
         return common_pb2.LoadReport(
-            waiting_requests=len(self.prealloc) + len(self.memory),
+            waiting_requests=len(self.prealloc) + len(self.memory) + len(self.local),
             running_requests=len(self.running.waiting) + len(self.running.running),
             transferring_requests=len(self.kv_wait),
             kv_usage=1.0 - alloc.num_free / total, accounting=acc)
@@ -293,6 +301,7 @@ class DecodeScheduler(SchedulerLoop):
         M.DECODE_QUEUE.labels(queue="transfer").set(len(self.kv_wait))
         M.DECODE_QUEUE.labels(queue="waiting").set(len(self.running.waiting))
         M.DECODE_QUEUE.labels(queue="retracted").set(len(self.memory))
+        M.DECODE_QUEUE.labels(queue="local_prefill").set(len(self.local))
         M.DECODE_NEW_TOKEN_RATIO.set(self.memory.ratio.value)
         M.DECODE_RUNNING.set(len(self.running.running))
         alloc, cache = self.kv.alloc, self.kv.cache

@@ -29,7 +29,8 @@ from protos import common_pb2, decode_pb2, decode_pb2_grpc
 log = logging.getLogger("halfmoon.decode")
 
 # states in which a request that has streamed nothing is queued in D, not computing
-_QUEUED = frozenset({JobState.PREALLOC, JobState.TRANSFER, JobState.WAITING, JobState.RETRACTED})
+_QUEUED = frozenset({JobState.PREALLOC, JobState.TRANSFER, JobState.WAITING, JobState.RETRACTED,
+                     JobState.LOCAL_PREFILL})
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -50,7 +51,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             params = validate_request(request.room, request.input_ids, request.sampling,
                                       self.vocab_size, self.max_context)
-            if not request.prefill_address:
+            if request.local_prefill:  # no prefill leg: nothing of P may be named
+                for name in ("prefill_address", "prefill_worker_id"):
+                    if getattr(request, name):
+                        raise InvalidRequestError(name, "must be empty with local_prefill (D prefills, no P leg)")
+            elif not request.prefill_address:
                 raise InvalidRequestError("prefill_address", "empty (P's gRPC host:port is needed)")
             if params.stop and self.tokenizer is None:
                 raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
@@ -63,7 +68,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         job = DecodeJob(request_id=request.request_id, room=int(request.room),
                         prompt_ids=list(request.input_ids), params=params,
                         prefill_address=request.prefill_address,
-                        prefill_worker_id=request.prefill_worker_id, grammar=grammar)
+                        prefill_worker_id=request.prefill_worker_id, grammar=grammar,
+                        local_prefill=request.local_prefill)
         if params.stop:
             from engine.detokenizer import IncrementalDetokenizer
 

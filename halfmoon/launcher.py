@@ -299,6 +299,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-args", default="", help="extra flags of every decode worker, one string "
                    "(e.g. \"--overlap-schedule off\"; see halfmoon serve-decode --help). P and D must "
                    "agree on --kv-layout: pass it in both --prefill-args and --decode-args")
+    p.add_argument("--router-args", default="", help="extra flags of the router, one string (e.g. "
+                   "\"--local-prefill-max-tokens 256\" with --policy kv_events; see halfmoon serve-router --help)")
     p.add_argument("--registry", default="memory", choices=["memory", "etcd"],
                    help="etcd: start a local etcd (Debian etcd-server) on loopback and keep the "
                         "registry's records there")
@@ -312,7 +314,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def role_args(role: str, text: str) -> list[str]:
-    """``--prefill-args`` / ``--decode-args`` split like a shell does, then parsed by that role's own
+    """``--prefill-args`` / ``--decode-args`` / ``--router-args`` split like a shell does, then parsed by that role's own
     parser, so a typo stops ``up`` before any process starts.
 
     Raises:
@@ -353,7 +355,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                        prefill_device=args.prefill_device, decode_device=args.decode_device, dtype=args.dtype,
                        load_format=args.load_format, registry=args.registry,
                        role_args={"prefill": role_args("prefill", args.prefill_args),
-                                  "decode": role_args("decode", args.decode_args)})
+                                  "decode": role_args("decode", args.decode_args)},
+                       router_args=role_args("router", args.router_args))
 
 
 def print_endpoints(ep: dict, out=sys.stdout) -> None:

@@ -39,6 +39,7 @@ from protos import common_pb2, decode_pb2, prefill_pb2, router_pb2
 from router_svc.admission import Admission, Ticket
 from router_svc.api_keys import ANONYMOUS
 from router_svc.errors import RouterError
+from router_svc.local_prefill import LocalLeg, LocalPrefillPolicy
 from router_svc.pair_policy import KVPairPolicy
 from router_svc.policies import NoWorkerError, Policy
 from router_svc.pool import WorkerPool
@@ -136,6 +137,8 @@ class Dispatcher:
         pool: prefill and decode workers.
         prefill_policy, decode_policy: one policy per role.
         pair_policy: when set (``--policy kv_events``), picks P and D together instead.
+        local_prefill: when set, an attempt whose prompt D nearly holds (or whose P's are all busy)
+            goes to D alone (conditional disaggregation, ``router_svc.local_prefill``).
         max_attempts: pairs tried per request before failing (2 = retry once).
         first_token_timeout: seconds without any chunk from D (a token or a keepalive of a request
             queued in D) before the first token, after which the attempt fails; the request's
@@ -148,7 +151,7 @@ class Dispatcher:
     def __init__(self, tok: RouterTokenizer, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy,
                  max_attempts: int = 2, first_token_timeout: float = 120.0, request_timeout: float = 600.0,
                  admission: Admission | None = None, tenants: tuple[str, ...] = (ANONYMOUS,),
-                 pair_policy: KVPairPolicy | None = None) -> None:
+                 pair_policy: KVPairPolicy | None = None, local_prefill: LocalPrefillPolicy | None = None) -> None:
         self.tok = tok
         self.pool = pool
         self.prefill_policy = prefill_policy
@@ -157,6 +160,7 @@ class Dispatcher:
         self.first_token_timeout = first_token_timeout
         self.request_timeout = request_timeout
         self.pair_policy = pair_policy
+        self.local_prefill = local_prefill
         pool.policies = [prefill_policy, decode_policy]
         self.policy_label = pair_policy.name if pair_policy else f"{prefill_policy.name}/{decode_policy.name}"
         self.admission = admission or Admission()
@@ -218,7 +222,7 @@ class Dispatcher:
         M.ROUTER_IN_FLIGHT.inc()
         M.ROUTER_PROMPT_TOKENS.labels(tenant=prep.tenant).inc(len(prep.input_ids))
         status = "error"
-        legs: _Legs | None = None
+        legs: _Legs | LocalLeg | None = None
         abort_wait = asyncio.ensure_future(handle.aborted.wait())
         try:
             tried: set[str] = set()
@@ -226,8 +230,12 @@ class Dispatcher:
             first = None
             attempt = 0
             for attempt in range(self.max_attempts):
+                local = self.local_prefill and self.local_prefill.choose(
+                    self.pool.by_role(PREFILL), self.pool.by_role(DECODE), prep.input_ids, tried)
                 try:
-                    if self.pair_policy is not None:
+                    if local:
+                        p, d = None, local.decode
+                    elif self.pair_policy is not None:
                         p, d = self.pair_policy.pick(self.pool.by_role(PREFILL), self.pool.by_role(DECODE),
                                                      prep.input_ids, tried)
                     else:
@@ -237,14 +245,16 @@ class Dispatcher:
                         break
                     status = "rejected"
                     raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy worker: {exc}") from exc
-                legs = _Legs(prep, p, d, secrets.randbits(63), max(0.001, deadline - time.monotonic()))
+                room, left = secrets.randbits(63), max(0.001, deadline - time.monotonic())
+                legs = LocalLeg(prep, d, room, left, _abort_leg) if local else _Legs(prep, p, d, room, left)
+                picked = {w.worker_id for w in (p, d) if w is not None}
                 try:
                     first = await self._first_chunk(legs, abort_wait, deadline)
                 except _LegFailure as f:
                     legs.close(abort=True, reason=f"twin leg failed: {f}", background=self._background)
                     if f.code not in _CLIENT_CODES + (grpc.StatusCode.RESOURCE_EXHAUSTED,):
                         # which of the two is down? ask both (<= 1 s)
-                        await asyncio.gather(self.pool.probe(p), self.pool.probe(d))
+                        await asyncio.gather(*(self.pool.probe(w) for w in (p, d) if w is not None))
                     if time.monotonic() >= deadline:
                         status = "timeout"
                         raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed: {f}") from None
@@ -252,7 +262,7 @@ class Dispatcher:
                         status = "invalid"
                         raise RouterError(f.code, f.detail) from None
                     if f.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not any(
-                            w.available and w.worker_id not in tried | {p.worker_id, d.worker_id}
+                            w.available and w.worker_id not in tried | picked
                             for w in self.pool.by_role(f.leg)):
                         # workers queue while their pool is busy: this one can never hold the
                         # request, and no untried worker of that role is left to ask
@@ -261,8 +271,9 @@ class Dispatcher:
                                           f"{f.leg} worker's KV pool)", "max_tokens",
                                           "context_length_exceeded") from None
                     log.warning("request %s attempt %d (room %d, %s -> %s) failed before the first token: %s",
-                                prep.worker_request_id, attempt + 1, legs.room, p.worker_id, d.worker_id, f)
-                    tried |= {p.worker_id, d.worker_id}
+                                prep.worker_request_id, attempt + 1, legs.room, p.worker_id if p else "(local)",
+                                d.worker_id, f)
+                    tried |= picked
                     last = f
                     if attempt + 1 < self.max_attempts:
                         M.ROUTER_RETRIES.labels(leg=f.leg).inc()
@@ -300,7 +311,7 @@ class Dispatcher:
             M.ROUTER_IN_FLIGHT.dec()
             self.count(status, start, prep.tenant)
 
-    async def _first_chunk(self, legs: _Legs, abort_wait: asyncio.Future, deadline: float):
+    async def _first_chunk(self, legs: _Legs | LocalLeg, abort_wait: asyncio.Future, deadline: float):
         """Wait for D's first chunk with tokens; None when aborted. Raises _LegFailure: DEADLINE_EXCEEDED
         when D sent nothing (no token, no keepalive) for ``first_token_timeout`` s."""
         read = legs.read()
@@ -341,13 +352,13 @@ class Dispatcher:
         finally:
             _discard(read)
 
-    async def _relay(self, prep: PreparedRequest, legs: _Legs, first: decode_pb2.DecodeChunk,
+    async def _relay(self, prep: PreparedRequest, legs: _Legs | LocalLeg, first: decode_pb2.DecodeChunk,
                      abort_wait: asyncio.Future, handle: _Inflight, deadline: float, start: float,
                      retries: int) -> AsyncIterator[router_pb2.GenerateResponse]:
         rid = prep.request_id
         detok = IncrementalDetokenizer(self.tok.backend, prep.input_ids, prep.stop)
         usage = router_pb2.Usage(prompt_tokens=len(prep.input_ids), retries=retries)
-        meta = dict(request_id=rid, prefill_worker=legs.p.worker_id, decode_worker=legs.d.worker_id)
+        meta = dict(request_id=rid, prefill_worker=legs.p.worker_id if legs.p else "", decode_worker=legs.d.worker_id)
         chunk = first
         n_tokens = 0
         last_emit = None
@@ -434,10 +445,10 @@ def _merge_usage(usage: router_pb2.Usage, chunk: decode_pb2.DecodeChunk) -> None
         usage.kv_bytes_transferred = chunk.kv_bytes_transferred
 
 
-def _finish_usage(usage: router_pb2.Usage, legs: _Legs, n_tokens: int, last: decode_pb2.DecodeChunk) -> None:
+def _finish_usage(usage: router_pb2.Usage, legs: _Legs | LocalLeg, n_tokens: int, last: decode_pb2.DecodeChunk) -> None:
     usage.completion_tokens = n_tokens
     r = legs.p_result
-    if r is None and legs.p_task.done() and not legs.p_task.cancelled() and legs.p_task.exception() is None:
+    if r is None and legs.p_task is not None and legs.p_task.done() and not legs.p_task.cancelled() and legs.p_task.exception() is None:
         r = legs.p_task.result()
     if r is not None:  # P's own numbers, when D did not forward them
         usage.cached_tokens = usage.cached_tokens or r.cached_tokens

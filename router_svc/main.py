@@ -36,6 +36,7 @@ from router_svc.dispatch import Dispatcher
 from router_svc.grpc_service import RouterServicer, SendAfterDeadlineFilter
 from router_svc.kv_index import KVEventIndex
 from router_svc.openai_api import build_app
+from router_svc.local_prefill import LocalPrefillPolicy
 from router_svc.pair_policy import KVPairPolicy, PairWeights
 from router_svc.policies import POLICY_NAMES, make_policy
 from router_svc.pool import WorkerPool
@@ -65,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                 ("decode-load", 8.0, "per request on D")):
         p.add_argument(f"--kv-{name}-weight", type=float, default=None,
                        help=f"with --policy kv_events: cost {what} (default {default})")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
+                   help="with --policy kv_events: send a request to a decode worker alone, which prefills it "
+                        "itself, when it holds all but at most N prompt tokens (conditional disaggregation, "
+                        "e.g. 256 for chat follow-ups; 0 = off)")
+    p.add_argument("--local-prefill-queue", type=int, default=0, metavar="N",
+                   help="with --policy kv_events: ... or when it holds part of the prompt and every prefill "
+                        "worker has N or more requests queued or running (0 = off)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (cache_aware prefix matching)")
     p.add_argument("--health-interval", type=float, default=0.5, help="seconds between worker health/load polls")
     p.add_argument("--max-attempts", type=int, default=2, help="PD pairs tried per request (2 = retry once)")
@@ -104,6 +112,25 @@ def pair_policy_from_args(args: argparse.Namespace) -> KVPairPolicy | None:
     return KVPairPolicy(KVEventIndex(), args.page_size, weights)
 
 
+def local_prefill_from_args(args: argparse.Namespace, pair: KVPairPolicy | None) -> LocalPrefillPolicy | None:
+    """Conditional disaggregation of the flags (it reads D's cached prefix from the pair policy's
+    index), or None when both thresholds are 0.
+
+    Raises:
+        SystemExit: a threshold without ``--policy kv_events``, or a negative one.
+    """
+    tail, queue = args.local_prefill_max_tokens, args.local_prefill_queue
+    if not (tail or queue):
+        return None
+    if pair is None:
+        flag = "--local-prefill-max-tokens" if tail else "--local-prefill-queue"
+        raise SystemExit(f"serve-router: {flag} needs --policy kv_events (D's cached prefix comes from KV events)")
+    try:
+        return LocalPrefillPolicy(pair.index, args.page_size, max_tail_tokens=tail, prefill_queue=queue)
+    except ValueError as e:
+        raise SystemExit(f"serve-router: {e}") from None
+
+
 def _split(s: str) -> list[str]:
     return [a.strip() for a in s.split(",") if a.strip()]
 
@@ -126,7 +153,8 @@ async def serve(args: argparse.Namespace) -> int:
                             make_policy(args.decode_policy or "cache_aware", args.page_size),
                             max_attempts=args.max_attempts, first_token_timeout=args.first_token_timeout,
                             request_timeout=args.request_timeout, admission=door.admission,
-                            tenants=door.keys.tenants, pair_policy=pair_policy)
+                            tenants=door.keys.tenants, pair_policy=pair_policy,
+                            local_prefill=local_prefill_from_args(args, pair_policy))
     if args.registry:
         pool.watch_registry(args.registry)
     pool.add_static(_split(args.prefill), _split(args.decode))

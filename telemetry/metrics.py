@@ -35,6 +35,10 @@ client-chosen string)
   - ``halfmoon_router_e2e_request_latency_seconds`` histogram {tenant}: arrival → last token / error.
   - ``halfmoon_router_retries_total`` counter {leg}: pair re-picks after a failed leg before the first
     token; leg ∈ {prefill, decode}.
+  - ``halfmoon_router_local_prefills_total`` counter {reason}: attempts sent to a decode worker
+    alone, which prefills the prompt's uncached tail itself (conditional disaggregation, no
+    prefill leg); reason ∈ :data:`LOCAL_PREFILL_REASONS` (short_tail: D holds all but at most
+    ``--local-prefill-max-tokens``; prefill_queue: every P has ``--local-prefill-queue`` requests).
   - ``halfmoon_router_requests_in_flight`` gauge: requests accepted and not yet finished.
   - ``halfmoon_router_queued_requests`` gauge: requests admitted whose first token is not sent yet
     (the admission queue ``--max-queued-requests`` bounds).
@@ -64,7 +68,8 @@ decode (decode_svc)
   - ``halfmoon_decode_queue_requests`` gauge {queue}: queue ∈ :data:`DECODE_QUEUES`: prealloc
     (waiting for KV pages), transfer (pages allocated, waiting for the prefill's KV + notice),
     waiting (KV committed, waiting to join the running batch), retracted (KV given back when the
-    pool ran short, waiting to resume).
+    pool ran short, waiting to resume), local_prefill (no prefill leg: D computes the prompt's
+    uncached tail itself).
   - ``halfmoon_decode_running_requests`` gauge: requests in the running (continuous) batch.
   - ``halfmoon_decode_kv_pool_usage_ratio`` gauge: 1 − (free + evictable) / total pages of the KV
     pool, in [0, 1]: the share held by requests (locked prefixes + owned pages), as SGLang's
@@ -92,6 +97,10 @@ decode (decode_svc)
     reserve and the pool (after eviction) could not give the next page.
   - ``halfmoon_decode_resume_recomputed_tokens_total`` counter: tokens D recomputed itself (EXTEND)
     when a retracted request resumed (its prefix the radix cache no longer held).
+  - ``halfmoon_decode_local_prefills_total`` counter: requests whose prompt D prefilled itself
+    (``DecodeRequest.local_prefill``: conditional disaggregation, no prefill leg).
+  - ``halfmoon_decode_local_prefill_tokens_total`` counter: prompt tokens D computed (EXTEND) for
+    them (prompt minus D's radix hit).
   - ``halfmoon_decode_kv_projected_pages`` gauge: pages the live requests are projected to still
     take (admission keeps them available); compare with ``kv_pool_pages{state="owned"}``.
   - ``halfmoon_decode_new_token_ratio`` gauge: the projection's ratio of remaining tokens a request
@@ -128,7 +137,7 @@ from prometheus_client.exposition import start_http_server
 disable_created_metrics()
 
 __all__ = [
-    "ROLES", "GROUPS_BY_ROLE", "REQUEST_STATUSES", "PREFILL_QUEUES", "DECODE_QUEUES",
+    "ROLES", "GROUPS_BY_ROLE", "REQUEST_STATUSES", "PREFILL_QUEUES", "DECODE_QUEUES", "LOCAL_PREFILL_REASONS",
     "RETRACTION_REASONS",
     "KV_PAGE_STATES", "TRANSFER_FAILURE_REASONS", "QUARANTINE_RELEASE_CAUSES", "REGISTRY_LOOKUP_RESULTS", "METRICS_BY_GROUP",
     "build_registry", "start_metrics_server", "stop_metrics_servers",
@@ -138,7 +147,8 @@ __all__ = [
 REQUEST_STATUSES = ("ok", "error", "cancelled", "timeout", "invalid", "rejected", "rate_limited", "queue_full")
 RETRY_LEGS = ("prefill", "decode")
 PREFILL_QUEUES = ("waiting_destination", "prefilling", "transferring")
-DECODE_QUEUES = ("prealloc", "transfer", "waiting", "retracted")
+DECODE_QUEUES = ("prealloc", "transfer", "waiting", "retracted", "local_prefill")
+LOCAL_PREFILL_REASONS = ("short_tail", "prefill_queue")
 RETRACTION_REASONS = ("newest", "pinned")
 KV_PAGE_STATES = ("free", "evictable", "locked", "owned")
 QUARANTINE_RELEASE_CAUSES = ("notice", "rejected", "process_gone", "new_incarnation", "fence_deadline")
@@ -190,6 +200,10 @@ ROUTER_RETRIES = Counter(
     "halfmoon_router_retries_total",
     "Prefill/decode pair re-picks after a leg failed before the first token, by failed leg.",
     ["leg"], registry=_R)
+ROUTER_LOCAL_PREFILLS = Counter(
+    "halfmoon_router_local_prefills_total",
+    "Attempts sent to a decode worker alone, which prefills the prompt's uncached tail itself, by reason.",
+    ["reason"], registry=_R)
 ROUTER_IN_FLIGHT = Gauge(
     "halfmoon_router_requests_in_flight", "Client requests accepted and not yet finished.",
     registry=_R)
@@ -292,6 +306,12 @@ DECODE_RESERVE_MISSES = Counter(
 DECODE_RESUME_RECOMPUTED_TOKENS = Counter(
     "halfmoon_decode_resume_recomputed_tokens_total",
     "Tokens recomputed on decode (EXTEND) when a retracted request resumed.", registry=_R)
+DECODE_LOCAL_PREFILLS = Counter(
+    "halfmoon_decode_local_prefills_total",
+    "Requests whose prompt the decode worker prefilled itself (no prefill leg).", registry=_R)
+DECODE_LOCAL_PREFILL_TOKENS = Counter(
+    "halfmoon_decode_local_prefill_tokens_total",
+    "Prompt tokens the decode worker computed (EXTEND) for requests it prefilled itself.", registry=_R)
 DECODE_PROJECTED_PAGES = Gauge(
     "halfmoon_decode_kv_projected_pages",
     "KV pages the live decode requests are projected to still take.", registry=_R)
@@ -319,6 +339,8 @@ for _reason in TRANSFER_FAILURE_REASONS:
     TRANSFER_FAILURES.labels(reason=_reason)
 for _leg in RETRY_LEGS:
     ROUTER_RETRIES.labels(leg=_leg)
+for _reason in LOCAL_PREFILL_REASONS:
+    ROUTER_LOCAL_PREFILLS.labels(reason=_reason)
 for _api in AUTH_APIS:
     for _reason in AUTH_FAILURE_REASONS:
         ROUTER_AUTH_FAILURES.labels(api=_api, reason=_reason)
@@ -353,7 +375,7 @@ def init_router_series(policy: str, tenants: Iterable[str], statuses: Iterable[s
 METRICS_BY_GROUP: dict[str, tuple] = {
     "router": (ROUTER_REQUESTS, ROUTER_TTFT, ROUTER_ITL, ROUTER_E2E, ROUTER_RETRIES,
                ROUTER_IN_FLIGHT, ROUTER_QUEUED, ROUTER_PROMPT_TOKENS, ROUTER_COMPLETION_TOKENS,
-               ROUTER_AUTH_FAILURES),
+               ROUTER_AUTH_FAILURES, ROUTER_LOCAL_PREFILLS),
     "prefill": (PREFILL_QUEUE, PREFILL_PROMPT_TOKENS, PREFILL_CACHED_TOKENS, PREFILL_BATCH_SIZE,
                 PREFILL_BATCH_TOKENS, PREFILL_COMPUTE_SECONDS),
     "transfer": (TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES),
@@ -361,7 +383,7 @@ METRICS_BY_GROUP: dict[str, tuple] = {
                DECODE_PREFIX_HIT_TOKENS, DECODE_GENERATED_TOKENS, DECODE_EVICTED_PAGES,
                DECODE_KV_CHECKSUM_MISMATCHES, DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES,
                DECODE_RETRACTIONS, DECODE_RESERVE_MISSES, DECODE_RESUME_RECOMPUTED_TOKENS,
-               DECODE_PROJECTED_PAGES, DECODE_NEW_TOKEN_RATIO, DECODE_FINISHED_TOKEN_SHARE),
+               DECODE_LOCAL_PREFILLS, DECODE_LOCAL_PREFILL_TOKENS, DECODE_PROJECTED_PAGES, DECODE_NEW_TOKEN_RATIO, DECODE_FINISHED_TOKEN_SHARE),
     "registry": (REGISTRY_WORKERS, REGISTRY_EXPIRED_LEASES, REGISTRY_LOOKUPS),
 }
 # role of a process -> metric groups it exports (transfer is counted on the sender = prefill).
