@@ -174,6 +174,24 @@ class Dispatcher:
         h.aborted.set()
         return True
 
+    def reserve(self, tenant: str, request_id: str) -> _Inflight:
+        """Mark ``tenant``'s ``request_id`` running (its :meth:`abort` sets the handle's event); also
+        used by the fan-out of n samples (router_svc/fanout.py) for the client's id.
+
+        Raises:
+            RouterError: ALREADY_EXISTS naming ``request_id`` when that tenant already runs it.
+        """
+        key = (tenant, request_id)
+        if key in self._inflight:
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already running",
+                              "request_id")
+        handle = self._inflight[key] = _Inflight()
+        return handle
+
+    def release(self, tenant: str, request_id: str) -> None:
+        """Forget a request :meth:`reserve` marked running."""
+        self._inflight.pop((tenant, request_id), None)
+
     def count(self, status: str, start: float, tenant: str = ANONYMOUS) -> None:
         assert status in REQUEST_STATUSES, status
         M.ROUTER_REQUESTS.labels(status=status, policy=self.policy_label, tenant=tenant).inc()
@@ -208,13 +226,12 @@ class Dispatcher:
         timeout = timeout if timeout is not None else self.request_timeout
         deadline = start + timeout
         rid = prep.request_id
-        key = (prep.tenant, rid)
-        if key in self._inflight:
+        try:
+            handle = self.reserve(prep.tenant, rid)
+        except RouterError:
             if ticket is not None:
                 ticket.close()
-            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running", "request_id")
-        handle = _Inflight()
-        self._inflight[key] = handle
+            raise
         M.ROUTER_IN_FLIGHT.inc()
         M.ROUTER_PROMPT_TOKENS.labels(tenant=prep.tenant).inc(len(prep.input_ids))
         status = "error"
@@ -296,7 +313,7 @@ class Dispatcher:
                 ticket.close()
             if legs is not None and not legs.closed:
                 legs.close(abort=True, reason=handle.reason or "client went away", background=self._background)
-            self._inflight.pop(key, None)
+            self.release(prep.tenant, rid)
             M.ROUTER_IN_FLIGHT.dec()
             self.count(status, start, prep.tenant)
 
