@@ -11,7 +11,9 @@ naming the field). vLLM-style extras are accepted: ``top_k``, ``min_p``, ``repet
 
 Bodies are parsed strictly: a field of the wrong JSON type (``"max_tokens": "5"``, ``"stream": 1``)
 or one the models do not declare is a 400 naming it, never coerced or dropped; OpenAI fields the
-router cannot honour yet (``best_of`` != 1, ``n`` != 1, ``echo``, ``suffix``) are refused by name.
+router cannot honour (``suffix``, ``echo`` with ``logprobs``) are refused by name. ``n`` and
+``best_of`` run several samples (router_svc/fanout.py; one choice each, router_svc/openai_choices.py);
+``echo`` puts the prompt's text before each completion.
 ``logit_bias`` (token id strings -> bias in [-100, 100]) and ``response_format`` (``text``,
 ``json_object``, ``json_schema``; on completions too, as vLLM) are honoured by the workers' sampler.
 API keys and the body size limit are checked before this app
