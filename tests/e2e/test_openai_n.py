@@ -12,6 +12,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import openai
 import pytest
 
@@ -167,7 +168,10 @@ class _AbortWhenRunning(threading.Thread):
         deadline = time.monotonic() + 30
         while not self.found and time.monotonic() < deadline:
             time.sleep(0.1)
-            self.found = self.stub.Abort(common_pb2.AbortRequest(request_id=self.rid), timeout=10).found
+            try:
+                self.found = self.stub.Abort(common_pb2.AbortRequest(request_id=self.rid), timeout=10).found
+            except (grpc.RpcError, ValueError):   # the test failed and closed the channel: stop
+                return
 
 
 def test_abort_of_one_sample_leaves_the_others_and_abort_of_the_request_ends_all(stub, stack):
