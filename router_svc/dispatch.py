@@ -210,9 +210,12 @@ class Dispatcher:
             raise
 
     async def generate(self, prep: PreparedRequest, timeout: float | None = None, arrival: float | None = None,
-                       ticket: Ticket | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
+                       ticket: Ticket | None = None,
+                       prefilled: asyncio.Event | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream responses for a validated request; ``ticket`` (from :meth:`admit`) leaves the
-        admission queue at the first token and is closed at the end in any case.
+        admission queue at the first token and is closed at the end in any case; ``prefilled`` is
+        set once the serving attempt's Prefill call returned (P has released the job: its prompt
+        pages are in P's radix cache).
 
         Yields GenerateResponse messages: token ids, text delta (UTF-8 safe, stop strings removed),
         logprobs; the last one carries ``finish_reason`` ("stop" | "length" | "abort") and usage.
@@ -293,6 +296,8 @@ class Dispatcher:
                 return
             if ticket is not None:
                 ticket.started()
+            if prefilled is not None and first is not None:
+                legs.p_task.add_done_callback(lambda _task: prefilled.set())
             if first is None:
                 code = last.code if last and last.code == grpc.StatusCode.RESOURCE_EXHAUSTED else grpc.StatusCode.UNAVAILABLE
                 raise RouterError(code, f"request failed after {self.max_attempts} attempts; last: {last}")

@@ -4,9 +4,9 @@ docs/architecture.md, Router, n samples).
 Each sample is one PD request of the dispatcher (its own room, P and D legs, retries), with the
 worker request id ``<id>#<i>`` and, when the request has a ``seed``, the seed ``(seed + i) mod 2**64``:
 sample i of a seeded request equals an ``n=1`` request with seed ``seed + i``. Greedy samples are
-identical. Sample 0 runs first; the others start once its first token arrived, by then P and D
-hold the prompt's full pages in their radix caches (P inserts them after its prefill, D at commit),
-so every later sample on the same workers matches them: P computes only the last partial page,
+identical. Sample 0 runs first; the others start once its first token arrived and its Prefill call
+returned: by then D (at commit) and P (when it released the job) hold the prompt's full pages in
+their radix caches, so every later sample on the same workers matches them: P computes only the last partial page,
 no full page crosses the wire again, and D's samples share those pages under lock counts (each
 sample owns only its tail and decode pages). An abort or retraction of one sample unlocks only its
 own reference. The policies usually pick the same pair for the same prompt (``cache_aware``
@@ -94,8 +94,11 @@ async def samples(dispatcher: Dispatcher, prep: PreparedRequest, timeout: float 
     queue: asyncio.Queue = asyncio.Queue()
     tasks: list[asyncio.Task] = []
 
+    prefilled = asyncio.Event()   # sample 0's Prefill returned: P holds the prompt's pages
+
     def start(i: int) -> None:
-        stream = dispatcher.generate(children[i], timeout=timeout, arrival=arrival, ticket=ticket if i == 0 else None)
+        stream = dispatcher.generate(children[i], timeout=timeout, arrival=arrival, ticket=ticket if i == 0 else None,
+                                     prefilled=prefilled if i == 0 else None)
         tasks.append(asyncio.ensure_future(_pump(i, stream, queue)))
 
     def abort_started() -> None:
@@ -103,29 +106,40 @@ async def samples(dispatcher: Dispatcher, prep: PreparedRequest, timeout: float 
             dispatcher.abort(child.request_id, handle.reason, tenant)
 
     abort_wait = asyncio.ensure_future(handle.aborted.wait())
+    prefilled_wait = asyncio.ensure_future(prefilled.wait())
     get: asyncio.Task | None = None
+    first_seen = ended0 = False
     try:
         start(0)
         live = 1
         while live:
             get = asyncio.ensure_future(queue.get())
-            await asyncio.wait({get, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
+            waits = {get, abort_wait} | ({prefilled_wait} if len(tasks) == 1 and not prefilled_wait.done() else set())
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if abort_wait.done() and not get.done():
                 abort_started()   # each started sample answers its own finish "abort"
                 await asyncio.wait({get})
-            item = get.result()
+            if get.done():
+                item = get.result()
+                if isinstance(item, _End):
+                    if item.exc is not None:
+                        raise item.exc
+                    live -= 1
+                    ended0 = ended0 or item.index == 0
+                else:
+                    index, resp = item
+                    first_seen = first_seen or index == 0
+                    resp.request_id = rid   # the client's id, not the sample's
+                    if handle.aborted.is_set() and not resp.finish_reason:
+                        abort_started()   # a sample that registered after the abort
+                    yield index, resp
+            else:   # only sample 0's prefill returned
+                get.cancel()
             get = None
-            if isinstance(item, _End):
-                if item.exc is not None:
-                    raise item.exc
-                live -= 1
-            else:
-                index, resp = item
-                resp.request_id = rid   # the client's id, not the sample's
-                if handle.aborted.is_set() and not resp.finish_reason:
-                    abort_started()   # a sample that registered after the abort
-                yield index, resp
-            if len(tasks) == 1 and count > 1:   # sample 0 answered (or ended): the prompt is cached
+            # the others start once sample 0's prompt pages are in D's radix cache (its first token:
+            # D committed them) and in P's (its Prefill returned), or once it ended
+            ready = (first_seen and prefilled.is_set()) or ended0 or handle.aborted.is_set()
+            if len(tasks) == 1 and count > 1 and ready:
                 if handle.aborted.is_set():
                     for i in range(1, count):
                         yield i, router_pb2.GenerateResponse(request_id=rid, finish_reason="abort",
@@ -137,6 +151,7 @@ async def samples(dispatcher: Dispatcher, prep: PreparedRequest, timeout: float 
                     live += count - 1
     finally:
         abort_wait.cancel()
+        prefilled_wait.cancel()
         if get is not None:
             get.cancel()
         for t in tasks:
