@@ -178,6 +178,24 @@ class Dispatcher:
         h.aborted.set()
         return True
 
+    def reserve(self, tenant: str, request_id: str) -> _Inflight:
+        """Mark ``tenant``'s ``request_id`` running (its :meth:`abort` sets the handle's event); also
+        used by the fan-out of n samples (router_svc/fanout.py) for the client's id.
+
+        Raises:
+            RouterError: ALREADY_EXISTS naming ``request_id`` when that tenant already runs it.
+        """
+        key = (tenant, request_id)
+        if key in self._inflight:
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already running",
+                              "request_id")
+        handle = self._inflight[key] = _Inflight()
+        return handle
+
+    def release(self, tenant: str, request_id: str) -> None:
+        """Forget a request :meth:`reserve` marked running."""
+        self._inflight.pop((tenant, request_id), None)
+
     def count(self, status: str, start: float, tenant: str = ANONYMOUS) -> None:
         assert status in REQUEST_STATUSES, status
         M.ROUTER_REQUESTS.labels(status=status, policy=self.policy_label, tenant=tenant).inc()
@@ -196,9 +214,12 @@ class Dispatcher:
             raise
 
     async def generate(self, prep: PreparedRequest, timeout: float | None = None, arrival: float | None = None,
-                       ticket: Ticket | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
+                       ticket: Ticket | None = None,
+                       prefilled: asyncio.Event | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream responses for a validated request; ``ticket`` (from :meth:`admit`) leaves the
-        admission queue at the first token and is closed at the end in any case.
+        admission queue at the first token and is closed at the end in any case; ``prefilled`` is
+        set once the serving attempt's Prefill call returned (P has released the job: its prompt
+        pages are in P's radix cache).
 
         Yields GenerateResponse messages: token ids, text delta (UTF-8 safe, stop strings removed),
         logprobs; the last one carries ``finish_reason`` ("stop" | "length" | "abort") and usage.
@@ -212,13 +233,12 @@ class Dispatcher:
         timeout = timeout if timeout is not None else self.request_timeout
         deadline = start + timeout
         rid = prep.request_id
-        key = (prep.tenant, rid)
-        if key in self._inflight:
+        try:
+            handle = self.reserve(prep.tenant, rid)
+        except RouterError:
             if ticket is not None:
                 ticket.close()
-            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running", "request_id")
-        handle = _Inflight()
-        self._inflight[key] = handle
+            raise
         M.ROUTER_IN_FLIGHT.inc()
         M.ROUTER_PROMPT_TOKENS.labels(tenant=prep.tenant).inc(len(prep.input_ids))
         status = "error"
@@ -287,6 +307,8 @@ class Dispatcher:
                 return
             if ticket is not None:
                 ticket.started()
+            if prefilled is not None and first is not None:
+                legs.p_task.add_done_callback(lambda _task: prefilled.set())
             if first is None:
                 code = last.code if last and last.code == grpc.StatusCode.RESOURCE_EXHAUSTED else grpc.StatusCode.UNAVAILABLE
                 raise RouterError(code, f"request failed after {self.max_attempts} attempts; last: {last}")
@@ -307,7 +329,7 @@ class Dispatcher:
                 ticket.close()
             if legs is not None and not legs.closed:
                 legs.close(abort=True, reason=handle.reason or "client went away", background=self._background)
-            self._inflight.pop(key, None)
+            self.release(prep.tenant, rid)
             M.ROUTER_IN_FLIGHT.dec()
             self.count(status, start, prep.tenant)
 

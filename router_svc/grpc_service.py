@@ -11,6 +11,7 @@ from grpc._cython.cygrpc import ExecuteBatchError
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import RouterError
+from router_svc.fanout import generate_n
 from router_svc.grpc_auth import current_tenant
 from router_svc.validation import prepare
 
@@ -40,6 +41,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     The client's deadline (``context.time_remaining()``) bounds both legs; a cancelled call
     (client cancel / disconnect / deadline) cancels the handler, and the dispatcher aborts both legs.
+    ``n`` / ``best_of`` > 1 run through :func:`~router_svc.fanout.generate_n`.
     The caller's tenant comes from :class:`~router_svc.grpc_auth.AioApiKeyInterceptor`; request ids
     (Generate, Abort) are the tenant's own.
     """
@@ -62,8 +64,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self.d.count("invalid", arrival, tenant)
             await _abort(context, exc)
         try:
-            async for resp in self.d.generate(prep, timeout=context.time_remaining(), arrival=arrival, ticket=ticket):
-                yield resp
+            if prep.best_of == 1:
+                async for resp in self.d.generate(prep, timeout=context.time_remaining(), arrival=arrival,
+                                                  ticket=ticket):
+                    yield resp
+            else:  # n / best_of: every message says its sample's index
+                async for index, resp in generate_n(self.d, prep, timeout=context.time_remaining(), arrival=arrival,
+                                                    ticket=ticket):
+                    resp.index = index
+                    yield resp
         except RouterError as exc:
             await _abort(context, exc)
 

@@ -11,7 +11,9 @@ naming the field). vLLM-style extras are accepted: ``top_k``, ``min_p``, ``repet
 
 Bodies are parsed strictly: a field of the wrong JSON type (``"max_tokens": "5"``, ``"stream": 1``)
 or one the models do not declare is a 400 naming it, never coerced or dropped; OpenAI fields the
-router cannot honour yet (``best_of`` != 1, ``n`` != 1, ``echo``, ``suffix``) are refused by name.
+router cannot honour (``suffix``, ``echo`` with ``logprobs``) are refused by name. ``n`` and
+``best_of`` run several samples (router_svc/fanout.py; one choice each, router_svc/openai_choices.py);
+``echo`` puts the prompt's text before each completion.
 ``logit_bias`` (token id strings -> bias in [-100, 100]) and ``response_format`` (``text``,
 ``json_object``, ``json_schema``; on completions too, as vLLM) are honoured by the workers' sampler.
 API keys and the body size limit are checked before this app
@@ -37,16 +39,26 @@ from protos import common_pb2, router_pb2
 from router_svc.api_keys import ANONYMOUS
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import RouterError
+from router_svc.fanout import generate_n
+from router_svc.openai_choices import Choice, usage
 from router_svc.openai_models import ChatRequest, CompletionRequest, NamedToolChoice, ResponseFormat, _Common
-from router_svc.tool_calls import NAME_RE, ToolMode, ToolStreamer
-from router_svc.validation import DEFAULT_MAX_TOKENS, prepare
+from router_svc.tool_calls import NAME_RE, ToolMode
+from router_svc.validation import DEFAULT_MAX_TOKENS, prepare, sample_counts
+
+
+def _samples(body: _Common, req: router_pb2.GenerateRequest) -> None:
+    """``n`` / ``best_of`` -> the request's sample counts (router_svc/fanout.py)."""
+    if body.n < 1:
+        raise RouterError.invalid("n", f"must be >= 1, got {body.n}")
+    if body.best_of is not None and body.best_of < 1:
+        raise RouterError.invalid("best_of", f"must be >= 1, got {body.best_of}")
+    n, best_of = sample_counts(body.n, body.best_of or 0)
+    if body.stream and best_of > n:  # as OpenAI: the best are known only once all finished
+        raise RouterError.invalid("best_of", f"best_of {best_of} > n {n} cannot be streamed")
+    req.n, req.best_of = n, best_of
 
 
 def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
-    if body.n != 1:
-        raise RouterError.invalid("n", f"only n=1 is supported, got {body.n}")
-    if body.best_of is not None and body.best_of != 1:
-        raise RouterError.invalid("best_of", f"only best_of=1 is supported, got {body.best_of}")
     if body.stream_options is not None and not body.stream:
         raise RouterError.invalid("stream_options", "is only allowed with stream: true")
     if body.seed is not None and not (0 <= body.seed < 2**64):
@@ -88,14 +100,15 @@ def _response_format(rf: ResponseFormat | None, s: common_pb2.SamplingParams) ->
 
 def completion_to_proto(body: CompletionRequest) -> router_pb2.GenerateRequest:
     """Map a /v1/completions body; raises RouterError naming the field for unsupported input."""
-    if body.echo:
-        raise RouterError.invalid("echo", "echo is not supported")
+    if body.echo and body.logprobs is not None:
+        raise RouterError.invalid("echo", "echo with logprobs (the prompt's logprobs) is not supported")
     if body.suffix:
         raise RouterError.invalid("suffix", "suffix is not supported")
     if body.logprobs is not None and not (0 <= body.logprobs <= 20):
         raise RouterError.invalid("logprobs", f"must be in [0, 20], got {body.logprobs}")
     req = router_pb2.GenerateRequest(request_id=body.request_id or f"cmpl-{uuid.uuid4().hex}", model=body.model,
                                      sampling=_sampling(body, body.logprobs is not None, body.logprobs or 0))
+    _samples(body, req)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -159,6 +172,7 @@ def chat_to_proto(body: ChatRequest) -> tuple[router_pb2.GenerateRequest, ToolMo
     mode = tool_mode(body)
     req = router_pb2.GenerateRequest(request_id=body.request_id or f"chatcmpl-{uuid.uuid4().hex}", model=body.model,
                                      sampling=_sampling(body, body.logprobs, top))
+    _samples(body, req)
     req.chat.SetInParent()
     if mode is not None:
         req.chat.tools_json = json.dumps(mode.tools)
@@ -175,61 +189,19 @@ def chat_to_proto(body: ChatRequest) -> tuple[router_pb2.GenerateRequest, ToolMo
     return req, mode
 
 
-def _usage(u: router_pb2.Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-
-class _Logprobs:
-    """Accumulates OpenAI logprob entries from streamed TokenLogprob messages."""
-
-    def __init__(self, dispatcher: Dispatcher, chat: bool) -> None:
-        self.tok = dispatcher.tok
-        self.chat = chat
-        self.offset = 0
-
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        text = self.tok.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    def convert(self, lps) -> dict | None:
-        if not lps:
-            return None
-        if self.chat:
-            return {"content": [dict(self._entry(lp.token_id, lp.logprob),
-                                     top_logprobs=[self._entry(t.token_id, t.logprob) for t in lp.top])
-                                for lp in lps]}
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp in lps:
-            text = self.tok.token_text(lp.token_id)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(lp.logprob)
-            out["top_logprobs"].append({self.tok.token_text(t.token_id): t.logprob for t in lp.top} or None)
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
-        return out
-
-    @staticmethod
-    def merge(acc: dict | None, part: dict | None) -> dict | None:
-        if part is None:
-            return acc
-        if acc is None:
-            return part
-        for key, value in part.items():
-            acc[key].extend(value)
-        return acc
-
-
-def _tool_result(tools: ToolMode | ToolStreamer, finish_reason: str, text: str = ""):
-    """(content, calls) of a finished output (a streamer: the content not streamed yet); a forced
-    call cut by max_tokens stays content."""
+async def _indexed(stream):
+    """One request's responses as choice 0's."""
     try:
-        return tools.finish() if isinstance(tools, ToolStreamer) else tools.parse(text)
-    except ValueError:
-        if finish_reason == "length":
-            return (tools.text[tools.sent:] if isinstance(tools, ToolStreamer) else text), []
-        raise
+        async for resp in stream:
+            yield 0, resp
+    finally:
+        await stream.aclose()
+
+
+async def _chain(first, stream):
+    yield first
+    async for item in stream:
+        yield item
 
 
 def _error_response(exc: RouterError) -> JSONResponse:
@@ -280,7 +252,7 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await _serve(request, completion_to_proto(body), body, chat=False)
+        return await _serve(request, completion_to_proto(body), body, chat=False, echo=body.echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -288,7 +260,7 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
         return await _serve(request, req, body, chat=True, tools=tools)
 
     async def _serve(request: Request, req: router_pb2.GenerateRequest, body: _Common, chat: bool,
-                     tools: ToolMode | None = None):
+                     tools: ToolMode | None = None, echo: bool = False):
         arrival = time.monotonic()
         tenant = getattr(request.state, "tenant", ANONYMOUS)
         ticket = dispatcher.admit(tenant, arrival)
@@ -300,95 +272,51 @@ def build_app(dispatcher: Dispatcher) -> FastAPI:
             if exc.param == "structured":  # the gRPC field is this body's response_format
                 raise RouterError.invalid("response_format", exc.message.removeprefix("structured: ")) from exc
             raise
-        model = card.id
-        created = int(time.time())
-        rid = prep.request_id
-        obj = "chat.completion" if chat else "text_completion"
-        lp = _Logprobs(dispatcher, chat)
-        stream = dispatcher.generate(prep, arrival=arrival, ticket=ticket)
+        head = {"id": prep.request_id, "created": int(time.time()), "model": card.id}
+        prompt = "" if not echo else req.text or dispatcher.tok.hf.decode(prep.input_ids, skip_special_tokens=False)
+        choices = [Choice(i, dispatcher.tok, chat, tools, prompt) for i in range(prep.n)]
+        if prep.n == 1 and prep.best_of == 1:
+            stream = _indexed(dispatcher.generate(prep, arrival=arrival, ticket=ticket))
+        else:
+            stream = generate_n(dispatcher, prep, arrival=arrival, ticket=ticket)
         if body.stream:
             # Run to the first token before answering 200, so that failures before it (no worker,
             # both attempts failed, a worker's RESOURCE_EXHAUSTED) get their HTTP status and body.
             first = await anext(stream)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream(first, stream, rid, model, created, chat, lp, include_usage, tools),
+            return StreamingResponse(_stream(first, stream, head, chat, choices, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, stream, rid, model, created, obj, chat, lp, tools)
+        return await _collect(request, stream, head, chat, choices)
 
-    async def _collect(request, stream, rid, model, created, obj, chat, lp, tools):
+    async def _collect(request, stream, head, chat, choices):
         async def consume():
-            text, logprobs, last = [], None, None
-            async for resp in stream:
-                text.append(resp.text)
-                logprobs = _Logprobs.merge(logprobs, lp.convert(resp.logprobs))
-                last = resp
-            return "".join(text), logprobs, last
+            async for index, resp in stream:
+                choices[index].add(resp)
 
         task = asyncio.ensure_future(consume())
-        while not task.done():  # a client that disconnects cancels the request (and both legs)
+        while not task.done():  # a client that disconnects cancels the request (and every leg)
             await asyncio.wait({task}, timeout=0.5)
             if not task.done() and await request.is_disconnected():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
                                                "param": None, "code": "cancelled"}}, status_code=499)
-        text, logprobs, last = task.result()  # raises RouterError -> handler
-        choice = {"index": 0, "logprobs": logprobs, "finish_reason": last.finish_reason}
-        if chat and tools is not None:
-            content, calls = _tool_result(tools, last.finish_reason, text)
-            choice["message"] = {"role": "assistant", "content": content}
-            if calls:
-                choice["message"]["tool_calls"] = [c.openai() for c in calls]
-                choice["finish_reason"] = "tool_calls"
-        elif chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-                "usage": _usage(last.usage)}
+        task.result()  # raises RouterError -> handler
+        return dict(head, object="chat.completion" if chat else "text_completion",
+                    choices=[c.body() for c in choices], usage=usage(choices))
 
-    async def _chain(first, stream):
-        yield first
-        async for resp in stream:
-            yield resp
-
-    async def _stream(first, stream, rid, model, created, chat, lp, include_usage, tools) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        base = {"id": rid, "object": obj, "created": created, "model": model}
+    async def _stream(first, stream, head, chat, choices, include_usage) -> AsyncIterator[bytes]:
+        base = dict(head, object="chat.completion.chunk" if chat else "text_completion")
         try:
             if chat:
-                yield _sse(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]))
-            # tools: content streams while it cannot be a call; calls go in the last chunk
-            streamer = ToolStreamer(tools) if tools is not None else None
-            async for resp in _chain(first, stream):
-                if streamer is not None:
-                    text = streamer.feed(resp.text)
-                    calls = []
-                    if resp.finish_reason:
-                        rest, calls = _tool_result(streamer, resp.finish_reason)
-                        text += rest
-                    if not text and not resp.finish_reason and not resp.logprobs:
-                        continue
-                    delta = {"content": text} if text else {}
-                    if calls:
-                        delta["tool_calls"] = [c.openai(index=i) for i, c in enumerate(calls)]
-                    finish = ("tool_calls" if calls else resp.finish_reason) or None
-                    yield _sse(dict(base, choices=[{"index": 0, "delta": delta, "logprobs": lp.convert(resp.logprobs),
-                                                    "finish_reason": finish}]))
-                    if resp.finish_reason and include_usage:
-                        yield _sse(dict(base, choices=[], usage=_usage(resp.usage)))
-                    continue
-                if not resp.text and not resp.finish_reason and not resp.logprobs:
-                    continue
-                choice = {"index": 0, "logprobs": lp.convert(resp.logprobs), "finish_reason": resp.finish_reason or None}
-                if chat:
-                    choice["delta"] = {"content": resp.text} if resp.text else {}
-                else:
-                    choice["text"] = resp.text
-                yield _sse(dict(base, choices=[choice]))
-                if resp.finish_reason and include_usage:
-                    yield _sse(dict(base, choices=[], usage=_usage(resp.usage)))
+                for c in choices:
+                    yield _sse(dict(base, choices=[c.role_delta()]))
+            async for index, resp in _chain(first, stream):
+                choice = choices[index].delta(resp)
+                if choice is not None:
+                    yield _sse(dict(base, choices=[choice]))
+            if include_usage:
+                yield _sse(dict(base, choices=[], usage=usage(choices)))
         except RouterError as exc:
             yield _sse(exc.openai_body())
         finally:

@@ -59,7 +59,7 @@ class _Common(BaseModel):
     request_id: str | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None  # completions too, as vLLM
-    # refused unless it asks for the default (see _sampling)
+    # samples generated, the n best returned (openai_api._samples, router_svc/fanout.py)
     best_of: Int32 | None = None
 
 

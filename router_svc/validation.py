@@ -22,6 +22,7 @@ from router_svc.tokenizer import RouterTokenizer
 
 MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_TOKENS = 16  # protos/common.proto: SamplingParams.max_tokens default
+MAX_SAMPLES = 16  # n and best_of: each sample is one PD request (router_svc/fanout.py)
 
 
 @dataclass
@@ -34,6 +35,8 @@ class PreparedRequest:
         sampling: copy of the request's sampling with ``max_tokens`` always set.
         stop: stop strings (removed from returned text).
         tenant: the caller's tenant (API key); request ids are scoped per tenant.
+        n: samples returned, ``1 <= n <= best_of``.
+        best_of: samples generated, ``<= MAX_SAMPLES`` (the n best by cumulative logprob are returned).
     """
 
     request_id: str
@@ -41,6 +44,8 @@ class PreparedRequest:
     sampling: common_pb2.SamplingParams
     stop: list[str]
     tenant: str = ANONYMOUS
+    n: int = 1
+    best_of: int = 1
 
     @property
     def worker_request_id(self) -> str:
@@ -192,5 +197,21 @@ def prepare(req: router_pb2.GenerateRequest, tok: RouterTokenizer,
         raise RouterError.invalid("max_tokens", f"{len(ids)} prompt tokens + max_tokens {sampling.max_tokens} "
                                   f"exceed the context window of {card.max_context} tokens",
                                   err_code="context_length_exceeded")
+    n, best_of = sample_counts(req.n, req.best_of)
     return PreparedRequest(request_id=req.request_id or f"req-{uuid.uuid4().hex}", input_ids=ids,
-                           sampling=sampling, stop=list(sampling.stop), tenant=tenant)
+                           sampling=sampling, stop=list(sampling.stop), tenant=tenant, n=n, best_of=best_of)
+
+
+def sample_counts(n: int, best_of: int) -> tuple[int, int]:
+    """``(n, best_of)`` of a request, 0 meaning the default (1, and n).
+
+    Raises:
+        RouterError: INVALID_ARGUMENT naming ``n`` or ``best_of`` (above MAX_SAMPLES, best_of < n).
+    """
+    n = n or 1
+    if n > MAX_SAMPLES:
+        raise RouterError.invalid("n", f"must be in [1, {MAX_SAMPLES}], got {n}")
+    best_of = best_of or n
+    if not (n <= best_of <= MAX_SAMPLES):
+        raise RouterError.invalid("best_of", f"must be in [n={n}, {MAX_SAMPLES}], got {best_of}")
+    return n, best_of

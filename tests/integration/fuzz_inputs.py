@@ -214,7 +214,7 @@ BASES = {
 _NUM = [0.5, 1e300]
 _BAD_TYPE = {
     "model": [1, [], {}, True], "max_tokens": ["2", 2.5, True, []], "temperature": ["0", True, [], {}],
-    "top_p": ["1", [], True], "n": ["1", 1.5, True], "stream": ["true", 1, 0], "stop": [1, [1], {}, [None]],
+    "top_p": ["1", [], True], "n": ["1", 1.5, True, 0, 17], "stream": ["true", 1, 0], "stop": [1, [1], {}, [None]],
     "seed": ["1", 1.5, True], "presence_penalty": ["0", []], "frequency_penalty": ["0", {}],
     "user": [1, [], {}], "top_k": ["1", 1.5, True], "min_p": ["0", []], "repetition_penalty": ["1", True],
     "ignore_eos": ["yes", 1], "stop_token_ids": [1, ["1"], [1.5], "x"], "request_id": [1, [], {}],
@@ -222,7 +222,7 @@ _BAD_TYPE = {
     "logit_bias": ["x", 1, [], {"a": "b"}, {"1": "x"}, {"1": 500}, {"-3": 1}, {"99999999": 1}],
     "response_format": ["x", 1, [], {}, {"type": "yaml"}, {"type": "json_schema"},
                         {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}}],
-    "best_of": ["1", 2, 1.5],
+    "best_of": ["1", 0, 17, 1.5],
 }
 _BAD_COMPLETION = {"prompt": [None, 1, {}, [1.5], [[None]], [["a"]], True, [1, "a"]],
                    "logprobs": ["1", 1.5, True, [], 21, -1], "echo": ["no", 1], "suffix": [1, []]}

@@ -15,7 +15,7 @@ VALUES = {
     "model": "m", "max_tokens": 3, "temperature": 0.5, "top_p": 0.5, "n": 2, "stop": ["x"], "seed": 3,
     "presence_penalty": 0.5, "frequency_penalty": 0.5, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.1,
     "ignore_eos": True, "stop_token_ids": [5], "request_id": "r-1", "logit_bias": {"5": 1.0},
-    "response_format": {"type": "json_object"}, "best_of": 2, "logprobs": 2, "echo": True, "suffix": "s",
+    "response_format": {"type": "json_object"}, "best_of": 2, "logprobs": 2, "suffix": "s",
     "prompt": "other", "messages": [{"role": "user", "content": "other"}], "max_completion_tokens": 3,
     "top_logprobs": 2, "tools": [TOOL], "tool_choice": "required",
 }
@@ -25,6 +25,7 @@ RESPONSE_ONLY = {
     "stream_options": "openai_api._stream: the usage chunk",
     "user": "the end user's id (OpenAI: abuse monitoring); no per-user behaviour",
     "parallel_tool_calls": "tool_calls.ToolMode: at most one parsed call (and maxItems 1 when forced)",
+    "echo": "openai_choices.Choice: the prompt's text before each choice's text",
 }
 CHAT_VALUES = {"logprobs": True}
 # a field that needs another one set: compared with a base that has the other one

@@ -33,7 +33,16 @@ def client():
     ("/v1/chat/completions", {"logit_bias": {"-1": 5}}, "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"1.5": 5}}, "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"99999999999": 5}}, "logit_bias"),
-    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"n": 3, "best_of": 2}, "best_of"),                 # best_of < n
+    ("/v1/completions", {"best_of": 17}, "best_of"),                      # > MAX_SAMPLES
+    ("/v1/completions", {"best_of": 0}, "best_of"),
+    ("/v1/completions", {"best_of": 3, "stream": True}, "best_of"),       # the best are known at the end
+    ("/v1/chat/completions", {"n": 0}, "n"),
+    ("/v1/chat/completions", {"n": -1}, "n"),
+    ("/v1/chat/completions", {"n": 17}, "n"),
+    ("/v1/completions", {"n": 2**40}, "n"),                               # was a protobuf ValueError
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),           # needs the prompt's logprobs
+    ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/completions", {"max_tokens": "2"}, "max_tokens"),            # was coerced
     ("/v1/completions", {"max_tokens": 2.5}, "max_tokens"),
     ("/v1/completions", {"stream": 1}, "stream"),
@@ -82,6 +91,9 @@ def test_refused_by_name(client, path, extra, param):
         "name": "p", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
     ("/v1/completions", {"best_of": 1, "temperature": 0, "top_p": 1}),   # ints for float fields are fine
     ("/v1/completions", {"stream": True, "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"n": 3, "best_of": 5}),
+    ("/v1/completions", {"n": 2, "stream": True, "echo": True}),
+    ("/v1/chat/completions", {"n": 16, "best_of": 16, "stream": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
                               "user": "u-1", "seed": 3}),
 ])
