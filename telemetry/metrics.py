@@ -137,6 +137,8 @@ __all__ = [
 # --- label values (documented sets; use these constants rather than string literals) ----------
 REQUEST_STATUSES = ("ok", "error", "cancelled", "timeout", "invalid", "rejected", "rate_limited", "queue_full")
 RETRY_LEGS = ("prefill", "decode")
+# why a stream moved to another pair after tokens were sent: its decode worker failed / was draining
+MIGRATION_REASONS = ("failure", "drain")
 PREFILL_QUEUES = ("waiting_destination", "prefilling", "transferring")
 DECODE_QUEUES = ("prealloc", "transfer", "waiting", "retracted")
 RETRACTION_REASONS = ("newest", "pinned")
@@ -190,6 +192,11 @@ ROUTER_RETRIES = Counter(
     "halfmoon_router_retries_total",
     "Prefill/decode pair re-picks after a leg failed before the first token, by failed leg.",
     ["leg"], registry=_R)
+ROUTER_MIGRATIONS = Counter(
+    "halfmoon_router_migrations_total",
+    "Streams re-dispatched to another pair after their decode worker failed or drained mid-stream "
+    "(prompt + the tokens already sent; the client's stream goes on), by reason.",
+    ["reason"], registry=_R)
 ROUTER_IN_FLIGHT = Gauge(
     "halfmoon_router_requests_in_flight", "Client requests accepted and not yet finished.",
     registry=_R)
@@ -319,6 +326,8 @@ for _reason in TRANSFER_FAILURE_REASONS:
     TRANSFER_FAILURES.labels(reason=_reason)
 for _leg in RETRY_LEGS:
     ROUTER_RETRIES.labels(leg=_leg)
+for _reason in MIGRATION_REASONS:
+    ROUTER_MIGRATIONS.labels(reason=_reason)
 for _api in AUTH_APIS:
     for _reason in AUTH_FAILURE_REASONS:
         ROUTER_AUTH_FAILURES.labels(api=_api, reason=_reason)
@@ -352,7 +361,7 @@ def init_router_series(policy: str, tenants: Iterable[str], statuses: Iterable[s
 
 METRICS_BY_GROUP: dict[str, tuple] = {
     "router": (ROUTER_REQUESTS, ROUTER_TTFT, ROUTER_ITL, ROUTER_E2E, ROUTER_RETRIES,
-               ROUTER_IN_FLIGHT, ROUTER_QUEUED, ROUTER_PROMPT_TOKENS, ROUTER_COMPLETION_TOKENS,
+               ROUTER_MIGRATIONS, ROUTER_IN_FLIGHT, ROUTER_QUEUED, ROUTER_PROMPT_TOKENS, ROUTER_COMPLETION_TOKENS,
                ROUTER_AUTH_FAILURES),
     "prefill": (PREFILL_QUEUE, PREFILL_PROMPT_TOKENS, PREFILL_CACHED_TOKENS, PREFILL_BATCH_SIZE,
                 PREFILL_BATCH_TOKENS, PREFILL_COMPUTE_SECONDS),
