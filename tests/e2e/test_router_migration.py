@@ -175,11 +175,13 @@ def test_sigkill_mid_stream_openai_sse_continues_equal_to_uninterrupted(cluster,
 
 
 def test_sigterm_under_16_streams_all_complete_and_worker_exits_within_grace(cluster, stub, tok):
-    prompts = [tok.encode(f"Story {i}: the {w} walked along the quiet shore and") for i, w in enumerate(
-        ["sailor", "child", "keeper", "painter", "fisherman", "baker", "smith", "weaver"] * 2)]
+    unique = [tok.encode(f"Story {i}: the {w} walked along the quiet shore and") for i, w in enumerate(
+        ["sailor", "child", "keeper", "painter", "fisherman", "baker", "smith", "weaver"])]
+    prompts = unique * 2                                      # 16 streams, each prompt twice
     lengths = [8 if i % 4 == 0 else 64 for i in range(16)]   # a few finish inside the grace
     with ThreadPoolExecutor(16) as ex:
-        refs = list(ex.map(lambda a: _tokens(_stream(stub, *a)), zip(prompts, lengths)))
+        once = list(ex.map(lambda a: _tokens(_stream(stub, *a)), zip(unique, lengths[:8])))
+        refs = once * 2
         started = [0] * 16
         futs = [ex.submit(_stream, stub, p, n, lambda k, r, i=i: started.__setitem__(i, k))
                 for i, (p, n) in enumerate(zip(prompts, lengths))]
