@@ -39,7 +39,8 @@ def _prefilled(room: int) -> asyncio.Event:
 
 
 class ScriptedWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
-    """mode: "ok" | "unavailable" | "invalid" | "die_after_first" | "slow" (tokens every 50 ms, forever)."""
+    """mode: "ok" | "unavailable" | "invalid" | "die_after_first" | "drain_after_first" | "slow" (tokens
+    every 50 ms, forever)."""
 
     def __init__(self, tokens: list[int], mode: str = "ok") -> None:
         self.tokens, self.mode = tokens, mode
@@ -75,6 +76,9 @@ class ScriptedWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeSer
         yield decode_pb2.DecodeChunk(token_ids=tokens[:1], prompt_tokens=len(request.input_ids))
         if self.mode == "die_after_first":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode crashed")
+        if self.mode == "drain_after_first":   # what a draining D ends its streams with
+            context.set_trailing_metadata((("halfmoon-migrate", "drain"),))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker draining")
         if self.mode == "slow":
             while True:
                 await asyncio.sleep(0.05)

@@ -59,6 +59,27 @@ def test_decode_death_mid_stream_continues_on_another_pair(tok):
     assert any(r == room0 for _, r in ws["p0"].aborts)                 # the left pair was aborted
 
 
+def test_a_draining_decode_workers_hand_back_migrates_counted_as_drain(tok):
+    from telemetry import metrics as M
+
+    def count(reason):
+        return M.ROUTER_MIGRATIONS.labels(reason=reason)._value.get()
+
+    async def main():
+        d, prep, ws, servers, tokens = await setup(tok, {"p0": "ok", "d0": "drain_after_first", "d1": "ok"},
+                                                   migration_limit=1)
+        _order_decodes(d, "d0")
+        before = count("drain"), count("failure")
+        got, err = await _stream(d, prep)
+        after = count("drain"), count("failure")
+        await teardown(d, servers)
+        return got, err, tokens, before, after
+
+    got, err, tokens, before, after = run(main())
+    assert err is None and [t for r in got for t in r.token_ids] == tokens
+    assert after == (before[0] + 1, before[1])
+
+
 def test_beyond_the_limit_ends_unavailable_naming_it(tok):
     async def main():
         d, prep, ws, servers, _ = await setup(
