@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import time
+from datetime import datetime
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -206,11 +207,16 @@ def test_sigterm_under_16_streams_all_complete_and_worker_exits_within_grace(clu
     moved = [o for o in outs if len({r.decode_worker for r in o}) > 1]
     assert moved and all(o[0].decode_worker == victim_id and o[-1].usage.migrations == 1 for o in moved)
     assert all(o[-1].usage.completion_tokens == n for o, n in zip(outs, lengths))
-    # running streams get --drain-grace-s, the rest are handed back, and the worker is gone inside
-    # the grace period the Helm chart gives a pod (terminationGracePeriodSeconds >= drain grace + 10)
-    assert GRACE_S <= exit_s < GRACE_S + 10, exit_s
+    # running streams get --drain-grace-s, then the rest are handed back at once (the worker's own
+    # clock) ...
     log = victim.log()
-    assert re.search(r"draining: \d+ running calls", log) and "handed back to the router" in log
+    stamps = {what: datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f") for what in ("draining:", "drained")
+              for m in [re.search(r"^(\S+ \S+) .*" + what, log, flags=re.M)] if m}
+    assert len(stamps) == 2 and "handed back to the router" in log, log[-3000:]
+    assert GRACE_S <= (stamps["drained"] - stamps["draining:"]).total_seconds() < GRACE_S + 3, stamps
+    # ... and the process is gone inside the grace period the Helm chart gives a pod
+    # (terminationGracePeriodSeconds >= drainGraceSeconds + 20; a loaded 2-core box is slow to stop)
+    assert exit_s < GRACE_S + 20, exit_s
     assert victim.popen.returncode == 0
 
 

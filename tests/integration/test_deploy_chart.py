@@ -227,7 +227,7 @@ def test_chart_args_parse_with_the_real_cli():
     ("cache.volume.hostPath.path=/m,cache.volume.persistentVolumeClaim.claimName=c",
      "cache.volume must hold one volume source, got [hostPath persistentVolumeClaim]"),
     ("decode.drainGraceSeconds=115",
-     "decode.terminationGracePeriodSeconds (120) must be at least decode.drainGraceSeconds + 10 (125)"),
+     "decode.terminationGracePeriodSeconds (120) must be at least decode.drainGraceSeconds + 20 (135)"),
 ], ids=["variant", "typo", "port", "policy", "two-volumes", "drain-beyond-termination-grace"])
 def test_bad_values_are_rejected_with_a_clear_error(bad, message):
     proc = subprocess.run([_helm(), "template", "hm", str(CHART), "--set", bad], capture_output=True,
