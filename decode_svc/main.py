@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from decode_svc.quarantine import FencePolicy
     from decode_svc.scheduler import DecodeScheduler
     from decode_svc.server import DecodeServicer
+    from pd_common.drain import Drain
     from pd_common.tokenizer import grammar_compiler, load_tokenizer
     from engine.model_runner import ModelRunner
     from protos import decode_pb2, decode_pb2_grpc
@@ -78,10 +79,12 @@ def run(args: argparse.Namespace) -> int:
     sched.start()
     servicer = DecodeServicer(sched, args.worker_id, vocab_size=runner.vocab_size,
                               max_context=runner.max_context, tokenizer=tok,
-                              queue_keepalive_s=args.queue_keepalive, grammars=grammar_compiler(runner, tok))
+                              queue_keepalive_s=args.queue_keepalive, grammars=grammar_compiler(runner, tok),
+                              drain=Drain("decode", args.drain_grace_s))
     name = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
     w.start_server(lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s), name)
     w.publish_and_serve()
     w.wait_for_signal()
+    w.drain(servicer.drain, servicer.hand_back)
     w.shutdown(lambda: (sched.stop(), peers.close()))
     return 0

@@ -9,12 +9,17 @@ Keepalive: until the first token, while the request waits in D (admission queue,
 slot), an empty ``DecodeChunk`` goes out every ``queue_keepalive_s`` seconds, so the router can tell
 a queued request on a live D from a D that went silent (its first-token timer restarts on each one).
 None is ever sent after the first token.
+
+Drain (pd_common/drain.py): once draining, new calls are refused; :meth:`DecodeServicer.hand_back`
+ends streams (all, or those that sent nothing yet) with the status the router migrates / retries.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
+from dataclasses import dataclass
 
 import grpc
 
@@ -22,6 +27,7 @@ from decode_svc.jobs import DecodeJob, JobState
 from decode_svc.scheduler import DecodeScheduler
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
+from pd_common.drain import Drain
 from pd_common.protocol import ServiceError, validate_request
 from pd_common.tokenizer import grammar_state
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
@@ -33,12 +39,23 @@ _QUEUED = frozenset({JobState.PREALLOC, JobState.TRANSFER, JobState.WAITING, Job
                      JobState.LOCAL_PREFILL})
 
 
+@dataclass(eq=False)
+class _Stream:
+    job: DecodeJob
+    sent: bool = False         # a token went out
+    handed_back: bool = False  # ended by the drain: the router continues it elsewhere
+
+
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    """Args: queue_keepalive_s: seconds between empty chunks before the first token (0 = none)."""
+    """Args: queue_keepalive_s: seconds between empty chunks before the first token (0 = none);
+    drain: the worker's drain state (default: never draining)."""
 
     def __init__(self, scheduler: DecodeScheduler, worker_id: str, *, vocab_size: int,
                  max_context: int, tokenizer=None, queue_keepalive_s: float = 10.0,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, drain: Drain | None = None):
+        self.drain = drain or Drain("decode", 0.0)
+        self._streams: set[_Stream] = set()
+        self._lock = threading.Lock()
         self.sched = scheduler
         self.grammars = grammars
         self.worker_id = worker_id
@@ -48,6 +65,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.queue_keepalive_s = queue_keepalive_s
 
     def Generate(self, request, context):
+        self.drain.refuse_new(context)
+        with self.drain.track():
+            yield from self._generate(request, context)
+
+    def hand_back(self, unsent_only: bool) -> int:
+        """End running streams (with ``unsent_only``, those that sent no token yet) through the
+        scheduler (their pages are released as for any abort); each ends with
+        :meth:`Drain.hand_back`'s status. Returns how many."""
+        with self._lock:
+            chosen = [s for s in self._streams if not (unsent_only and s.sent) and not s.handed_back]
+            for s in chosen:
+                s.handed_back = True
+        for s in chosen:
+            self.sched.abort_job(s.job, "worker draining: handed back to the router")
+        return len(chosen)
+
+    def _generate(self, request, context):
         try:
             params = validate_request(request.room, request.input_ids, request.sampling,
                                       self.vocab_size, self.max_context)
@@ -75,22 +109,31 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
             job.detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, params.stop,
                                                params.skip_special_tokens)
-        self.sched.submit(job)
-        context.add_callback(lambda: job.finish_reason or self.sched.abort_job(job, "decode stream cancelled"))
-        sent = False
-        while True:
-            try:
-                item = job.out.get(timeout=self.queue_keepalive_s if self.queue_keepalive_s and not sent else None)
-            except queue.Empty:
-                if job.state in _QUEUED:  # read off the scheduler thread; still before the first token either way
-                    yield decode_pb2.DecodeChunk()
-                continue
-            if item is None:
-                return
-            if isinstance(item, ServiceError):
-                context.abort(item.code, str(item))
-            sent = True
-            yield item
+        stream = _Stream(job)
+        with self._lock:
+            self._streams.add(stream)
+        try:
+            self.sched.submit(job)
+            context.add_callback(lambda: job.finish_reason or self.sched.abort_job(job, "decode stream cancelled"))
+            while True:
+                try:
+                    item = job.out.get(timeout=self.queue_keepalive_s if self.queue_keepalive_s and not stream.sent
+                                       else None)
+                except queue.Empty:
+                    if job.state in _QUEUED:  # read off the scheduler thread; still before the first token either way
+                        yield decode_pb2.DecodeChunk()
+                    continue
+                if item is None:
+                    return
+                if isinstance(item, ServiceError):
+                    if stream.handed_back:
+                        Drain.hand_back(context, f"decode worker {self.worker_id}")
+                    context.abort(item.code, str(item))
+                stream.sent = True
+                yield item
+        finally:
+            with self._lock:
+                self._streams.discard(stream)
 
     def Abort(self, request, context):
         found = self.sched.abort(int(request.room), request.request_id, request.reason or "abort RPC")

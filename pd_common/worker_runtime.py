@@ -3,8 +3,9 @@
 Start-up order: model + KV pool (ModelRunner) -> transfer engine with every K/V buffer registered
 -> gRPC server (service + grpc.health.v1 NOT_SERVING + reflection) -> ``/metrics`` -> publish the
 segment (KVLayout: the pool's ``--kv-layout``) and the worker record in the registry (heartbeats)
--> health SERVING -> one line ``READY <worker-id> grpc=<addr>`` on stdout. SIGTERM/SIGINT stop it
-in reverse. A ``--device`` this process cannot use stops it first with one ``error:`` line.
+-> health SERVING -> one line ``READY <worker-id> grpc=<addr>`` on stdout. SIGTERM/SIGINT drain it
+(pd_common/drain.py: NOT_SERVING, no new request, ``--drain-grace-s`` for running calls, the rest
+handed back to the router) and stop it in reverse. A ``--device`` this process cannot use stops it first with one ``error:`` line.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.device import check_device, device_spec
-from engine.engine_args import int_at_least
+from engine.engine_args import int_at_least, non_negative_float
 from protos.request_guard import InvalidRequestInterceptor
 from security import ClusterCredentials, CredentialsError
 from security.flags import add_cluster_auth_args
@@ -103,6 +104,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights and KV dtype (P and D must match; pass bfloat16 on GPUs, float32 is "
                              "the CPU reference)")
+    parser.add_argument("--drain-grace-s", type=non_negative_float, default=20.0,
+                        help="on SIGTERM: seconds running requests get to finish (the worker turns "
+                             "NOT_SERVING and takes no new request); then a decode worker hands the rest "
+                             "back to the router, which migrates them to another pair. Keep it a few "
+                             "seconds below the pod's terminationGracePeriodSeconds")
     parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
     add_cluster_auth_args(parser)
 
@@ -261,10 +267,32 @@ class Worker:
             signal.signal(sig, lambda *_: done.set())
         done.wait()
 
-    def shutdown(self, stop_service=None) -> None:
+    def drain(self, drain, hand_back=None) -> None:
+        """The graceful part of a SIGTERM (pd_common/drain.py): NOT_SERVING, no new request; calls
+        that sent nothing yet are handed back at once (``hand_back(unsent_only=True)``: the router
+        retries them elsewhere), running ones get ``drain.grace_s``, then the rest are handed back
+        (``hand_back(False)``; without one, :meth:`shutdown` answers them UNAVAILABLE). A second
+        signal cuts the grace short."""
+        self._not_serving()
+        drain.begin()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: drain.hurry.set())
+        log.info("draining: %d running calls get up to %g s (--drain-grace-s)", drain.active, drain.grace_s)
+        if hand_back is not None:
+            hand_back(True)
+        left = drain.wait_idle(drain.grace_s)
+        if left and hand_back is not None:
+            log.info("drain grace over: %d streams handed back to the router to migrate", hand_back(False))
+            left = drain.wait_idle(5.0)
+        log.info("drained (%d calls still running); stopping", left)
+
+    def _not_serving(self) -> None:
         if self.health is not None:
             for name in ("", self.service_name):
                 self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def shutdown(self, stop_service=None) -> None:
+        self._not_serving()
         if self.registry is not None:
             self.registry.close()
         if self.kv_events is not None:

@@ -20,6 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from prefill_svc.scheduler import PrefillScheduler
     from pd_common.tokenizer import grammar_compiler, load_tokenizer
     from prefill_svc.server import PrefillServicer
+    from pd_common.drain import Drain
     from protos import prefill_pb2, prefill_pb2_grpc
 
     w = Worker(args, "prefill")
@@ -34,10 +35,12 @@ def run(args: argparse.Namespace) -> int:
     sched.start()
     servicer = PrefillServicer(sched, transfer, args.worker_id, vocab_size=runner.vocab_size,
                                max_context=runner.max_context,
-                               grammars=grammar_compiler(runner, load_tokenizer(runner, args.model)))
+                               grammars=grammar_compiler(runner, load_tokenizer(runner, args.model)),
+                               drain=Drain("prefill", args.drain_grace_s))
     name = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
     w.start_server(lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s), name)
     w.publish_and_serve()
     w.wait_for_signal()
+    w.drain(servicer.drain)
     w.shutdown(sched.stop)
     return 0

@@ -15,6 +15,7 @@ import grpc
 
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
+from pd_common.drain import Drain
 from pd_common.protocol import MAX_ROOM, ServiceError, validate_request
 from pd_common.tokenizer import grammar_state
 from prefill_svc.destinations import tombstone_error
@@ -26,10 +27,13 @@ from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """Args: scheduler; transfer: the worker's ``TransferEngine`` (its segment name and incarnation
     answer SetDestination); vocab_size, max_context: the model's, for request validation;
-    grammars: the worker's grammar compiler (None: structured requests are refused)."""
+    grammars: the worker's grammar compiler (None: structured requests are refused); drain: the
+    worker's drain state (pd_common/drain.py; default: never draining)."""
 
     def __init__(self, scheduler: PrefillScheduler, transfer, worker_id: str, *,
-                 vocab_size: int, max_context: int, grammars: GrammarCompiler | None = None):
+                 vocab_size: int, max_context: int, grammars: GrammarCompiler | None = None,
+                 drain: Drain | None = None):
+        self.drain = drain or Drain("prefill", 0.0)
         self.sched = scheduler
         self.grammars = grammars
         self.transfer = transfer
@@ -38,6 +42,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.max_context = max_context
 
     def Prefill(self, request, context):
+        self.drain.refuse_new(context)
+        with self.drain.track():
+            return self._prefill(request, context)
+
+    def _prefill(self, request, context):
         try:
             params = validate_request(request.room, request.input_ids, request.sampling,
                                       self.vocab_size, self.max_context)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/router.proto\x12\x0bhalfmoon.v1\x1a\x13protos/common.proto\"[\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"N\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.halfmoon.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xef\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.halfmoon.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x19.halfmoon.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.halfmoon.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\x08 \x01(\rB\x07\n\x05input\"\xbb\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14\x64\x65\x63ode_prefix_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14kv_pages_transferred\x18\x05 \x01(\x05\x12\x1c\n\x14kv_bytes_transferred\x18\x06 \x01(\x04\x12\x0f\n\x07retries\x18\x07 \x01(\x05\"\x82\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.halfmoon.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x14\n\x0cmatched_stop\x18\t \x01(\t\x12\r\n\x05index\x18\n \x01(\r\"\x13\n\x11ListModelsRequest\",\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.halfmoon.v1.ModelInfo\"\x14\n\x12ListWorkersRequest\"\x8a\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12%\n\x04load\x18\x05 \x01(\x0b\x32\x17.halfmoon.v1.LoadReport\x12\x10\n\x08inflight\x18\x06 \x01(\x05\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.halfmoon.v1.WorkerStatus2\xb4\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.halfmoon.v1.GenerateRequest\x1a\x1d.halfmoon.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.halfmoon.v1.AbortRequest\x1a\x1a.halfmoon.v1.AbortResponse\x12M\n\nListModels\x12\x1e.halfmoon.v1.ListModelsRequest\x1a\x1f.halfmoon.v1.ListModelsResponse\x12P\n\x0bListWorkers\x12\x1f.halfmoon.v1.ListWorkersRequest\x1a .halfmoon.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/router.proto\x12\x0bhalfmoon.v1\x1a\x13protos/common.proto\"[\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"N\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.halfmoon.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xef\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.halfmoon.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x19.halfmoon.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.halfmoon.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\x08 \x01(\rB\x07\n\x05input\"\xcf\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14\x64\x65\x63ode_prefix_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14kv_pages_transferred\x18\x05 \x01(\x05\x12\x1c\n\x14kv_bytes_transferred\x18\x06 \x01(\x04\x12\x0f\n\x07retries\x18\x07 \x01(\x05\x12\x12\n\nmigrations\x18\x08 \x01(\x05\"\x82\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.halfmoon.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x14\n\x0cmatched_stop\x18\t \x01(\t\x12\r\n\x05index\x18\n \x01(\r\"\x13\n\x11ListModelsRequest\",\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.halfmoon.v1.ModelInfo\"\x14\n\x12ListWorkersRequest\"\x8a\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12%\n\x04load\x18\x05 \x01(\x0b\x32\x17.halfmoon.v1.LoadReport\x12\x10\n\x08inflight\x18\x06 \x01(\x05\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.halfmoon.v1.WorkerStatus2\xb4\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.halfmoon.v1.GenerateRequest\x1a\x1d.halfmoon.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.halfmoon.v1.AbortRequest\x1a\x1a.halfmoon.v1.AbortResponse\x12M\n\nListModels\x12\x1e.halfmoon.v1.ListModelsRequest\x1a\x1f.halfmoon.v1.ListModelsResponse\x12P\n\x0bListWorkers\x12\x1f.halfmoon.v1.ListWorkersRequest\x1a .halfmoon.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,21 +41,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=256
   _globals['_GENERATEREQUEST']._serialized_end=495
   _globals['_USAGE']._serialized_start=498
-  _globals['_USAGE']._serialized_end=685
-  _globals['_GENERATERESPONSE']._serialized_start=688
-  _globals['_GENERATERESPONSE']._serialized_end=946
-  _globals['_LISTMODELSREQUEST']._serialized_start=948
-  _globals['_LISTMODELSREQUEST']._serialized_end=967
-  _globals['_MODELINFO']._serialized_start=969
-  _globals['_MODELINFO']._serialized_end=1013
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1015
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1075
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1077
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1097
-  _globals['_WORKERSTATUS']._serialized_start=1100
-  _globals['_WORKERSTATUS']._serialized_end=1238
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1240
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1305
-  _globals['_ROUTER']._serialized_start=1308
-  _globals['_ROUTER']._serialized_end=1616
+  _globals['_USAGE']._serialized_end=705
+  _globals['_GENERATERESPONSE']._serialized_start=708
+  _globals['_GENERATERESPONSE']._serialized_end=966
+  _globals['_LISTMODELSREQUEST']._serialized_start=968
+  _globals['_LISTMODELSREQUEST']._serialized_end=987
+  _globals['_MODELINFO']._serialized_start=989
+  _globals['_MODELINFO']._serialized_end=1033
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1035
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1095
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1097
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1117
+  _globals['_WORKERSTATUS']._serialized_start=1120
+  _globals['_WORKERSTATUS']._serialized_end=1258
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1260
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1325
+  _globals['_ROUTER']._serialized_start=1328
+  _globals['_ROUTER']._serialized_end=1636
 # @@protoc_insertion_point(module_scope)

@@ -54,7 +54,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "decode_prefix_tokens", "kv_pages_transferred", "kv_bytes_transferred", "retries")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "decode_prefix_tokens", "kv_pages_transferred", "kv_bytes_transferred", "retries", "migrations")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class Usage(_message.Message):
     KV_PAGES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     RETRIES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -69,7 +70,8 @@ class Usage(_message.Message):
     kv_pages_transferred: int
     kv_bytes_transferred: int
     retries: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., decode_prefix_tokens: _Optional[int] = ..., kv_pages_transferred: _Optional[int] = ..., kv_bytes_transferred: _Optional[int] = ..., retries: _Optional[int] = ...) -> None: ...
+    migrations: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., decode_prefix_tokens: _Optional[int] = ..., kv_pages_transferred: _Optional[int] = ..., kv_bytes_transferred: _Optional[int] = ..., retries: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "prefill_worker", "decode_worker", "matched_stop", "index")

@@ -11,8 +11,9 @@ For each attempt (at most ``max_attempts``, default 2 = "retry once"):
 3. if either leg fails before D's first chunk, cancel both calls, send ``Abort(request_id, room)``
    to both workers, and retry with a new pair and a new room. Client errors (INVALID_ARGUMENT) are
    returned, not retried;
-4. after the first token the D stream is relayed; a D failure then ends the request with
-   UNAVAILABLE naming the worker and the tokens already sent.
+4. after the first token the D stream is relayed; when D fails (or drains) then, the stream
+   migrates to a new pair with prompt + the tokens sent (router_svc/migration.py), up to
+   ``migration_limit`` times; beyond it, UNAVAILABLE naming the worker, the tokens sent and the limit.
 
 Client cancel, disconnect, deadline, ``Router.Abort`` and a stop string seen by the router all
 cancel the calls and send ``Abort`` to both legs. Every exit path goes through one ``finally``.
@@ -35,17 +36,19 @@ import grpc
 
 from engine.detokenizer import IncrementalDetokenizer
 from telemetry import metrics as M
-from protos import common_pb2, decode_pb2, prefill_pb2, router_pb2
+from protos import decode_pb2, router_pb2
 from router_svc.admission import Admission, Ticket
 from router_svc.api_keys import ANONYMOUS
 from router_svc.errors import RouterError
+from router_svc.legs import LegFailure, Legs, abort_leg, code_of, discard
 from router_svc.local_prefill import LocalLeg, LocalPrefillPolicy
+from router_svc.migration import StreamState, migrate_reason
 from router_svc.pair_policy import KVPairPolicy
 from router_svc.policies import NoWorkerError, Policy
 from router_svc.pool import WorkerPool
 from router_svc.tokenizer import RouterTokenizer
 from router_svc.validation import PreparedRequest
-from router_svc.worker import DECODE, PREFILL, Worker
+from router_svc.worker import DECODE, PREFILL
 
 log = logging.getLogger("halfmoon.router.dispatch")
 
@@ -55,78 +58,13 @@ REQUEST_STATUSES = M.REQUEST_STATUSES
 _CLIENT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 
 
-class _LegFailure(Exception):
-    def __init__(self, leg: str, worker: Worker, code: grpc.StatusCode, detail: str) -> None:
-        super().__init__(f"{leg} worker {worker.worker_id} ({worker.address}): {code.name}: {detail}")
-        self.leg, self.worker, self.code, self.detail = leg, worker, code, detail
-
-
 @dataclass
 class _Inflight:
-    """A running client request, for ``Router.Abort``."""
+    """A running client request: ``Router.Abort``'s handle, its current pair and how it ended."""
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
-
-
-class _Legs:
-    """The two concurrent calls of one attempt."""
-
-    def __init__(self, prep: PreparedRequest, p: Worker, d: Worker, room: int, timeout: float | None) -> None:
-        self.prep, self.p, self.d, self.room = prep, p, d, room
-        dreq = decode_pb2.DecodeRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
-                                        sampling=prep.sampling, prefill_address=p.address,
-                                        prefill_worker_id=p.worker_id)
-        preq = prefill_pb2.PrefillRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
-                                          sampling=prep.sampling)
-        self.d_call = d.stub.Generate(dreq, timeout=timeout)
-        self.p_task: asyncio.Task = asyncio.ensure_future(p.stub.Prefill(preq, timeout=timeout))
-        self.p_result: prefill_pb2.PrefillResult | None = None
-        p.inflight += 1
-        d.inflight += 1
-        self.closed = False
-
-    def read(self) -> asyncio.Task:
-        return asyncio.ensure_future(self.d_call.read())
-
-    def close(self, abort: bool, reason: str, background: set) -> None:
-        """Cancel what still runs; with ``abort``, also send Abort(request_id, room) to both legs."""
-        if self.closed:
-            return
-        self.closed = True
-        self.p.inflight -= 1
-        self.d.inflight -= 1
-        self.d_call.cancel()
-        _discard(self.p_task)
-        if abort:
-            req = common_pb2.AbortRequest(request_id=self.prep.worker_request_id, room=self.room, reason=reason)
-            for w in (self.d, self.p):
-                t = asyncio.ensure_future(_abort_leg(w, req))
-                background.add(t)
-                t.add_done_callback(background.discard)
-
-
-def _discard(task: asyncio.Future) -> None:
-    """Cancel a pending leg task, or mark a finished one's exception as seen: both legs can fail in the
-    same wait (P refuses the pair, D reports "prefill failed"), and an exception nobody retrieved is
-    logged by asyncio as "Task exception was never retrieved" with a traceback."""
-    if not task.done():
-        task.cancel()
-    elif not task.cancelled():
-        task.exception()
-
-
-async def _abort_leg(w: Worker, req: common_pb2.AbortRequest) -> None:
-    try:
-        await w.stub.Abort(req, timeout=5.0)
-    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError) as exc:
-        # UsageError: the worker was removed from the pool meanwhile and its channel closed
-        log.debug("Abort to %s failed: %s", w.worker_id, exc)
-
-
-def _code_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code(), exc.details() or ""
-    return grpc.StatusCode.UNKNOWN, repr(exc)
+    legs: "Legs | LocalLeg | None" = None
+    status: str = "error"  # label of halfmoon_router_requests_total once it ends
 
 
 class Dispatcher:
@@ -146,12 +84,15 @@ class Dispatcher:
         request_timeout: default deadline (seconds) when the client sets none.
         admission: rate limits and the admission queue bound (default: none).
         tenants: every tenant a request can come from (their metric series exist from the start).
+        migration_limit: times a stream may move to another pair after its D failed or drained
+            mid-stream (``--migration-limit``; 0 = never: the stream ends with UNAVAILABLE).
     """
 
     def __init__(self, tok: RouterTokenizer, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy,
                  max_attempts: int = 2, first_token_timeout: float = 120.0, request_timeout: float = 600.0,
                  admission: Admission | None = None, tenants: tuple[str, ...] = (ANONYMOUS,),
-                 pair_policy: KVPairPolicy | None = None, local_prefill: LocalPrefillPolicy | None = None) -> None:
+                 pair_policy: KVPairPolicy | None = None, migration_limit: int = 3,
+                 local_prefill: LocalPrefillPolicy | None = None) -> None:
         self.tok = tok
         self.pool = pool
         self.prefill_policy = prefill_policy
@@ -160,6 +101,7 @@ class Dispatcher:
         self.first_token_timeout = first_token_timeout
         self.request_timeout = request_timeout
         self.pair_policy = pair_policy
+        self.migration_limit = migration_limit
         self.local_prefill = local_prefill
         pool.policies = [prefill_policy, decode_policy]
         self.policy_label = pair_policy.name if pair_policy else f"{prefill_policy.name}/{decode_policy.name}"
@@ -219,13 +161,14 @@ class Dispatcher:
         """Stream responses for a validated request; ``ticket`` (from :meth:`admit`) leaves the
         admission queue at the first token and is closed at the end in any case; ``prefilled`` is
         set once the serving attempt's Prefill call returned (P has released the job: its prompt
-        pages are in P's radix cache).
+        pages are in P's radix cache), or at the first token when D prefilled the prompt itself.
 
         Yields GenerateResponse messages: token ids, text delta (UTF-8 safe, stop strings removed),
         logprobs; the last one carries ``finish_reason`` ("stop" | "length" | "abort") and usage.
 
         Raises:
-            RouterError: UNAVAILABLE (no worker, or both attempts failed, or D died mid-stream),
+            RouterError: UNAVAILABLE (no worker, or both attempts failed, or D failed mid-stream and
+                the stream could not migrate: the message says why, e.g. ``--migration-limit``),
                 DEADLINE_EXCEEDED, INVALID_ARGUMENT / RESOURCE_EXHAUSTED from a worker, or
                 ALREADY_EXISTS for a request id already running.
         """
@@ -241,100 +184,113 @@ class Dispatcher:
             raise
         M.ROUTER_IN_FLIGHT.inc()
         M.ROUTER_PROMPT_TOKENS.labels(tenant=prep.tenant).inc(len(prep.input_ids))
-        status = "error"
-        legs: _Legs | LocalLeg | None = None
+        legs: Legs | LocalLeg | None = None
         abort_wait = asyncio.ensure_future(handle.aborted.wait())
         try:
-            tried: set[str] = set()
-            last: _LegFailure | None = None
-            first = None
-            attempt = 0
-            for attempt in range(self.max_attempts):
-                local = self.local_prefill and self.local_prefill.choose(
-                    self.pool.by_role(PREFILL), self.pool.by_role(DECODE), prep.input_ids, tried)
-                try:
-                    if local:
-                        p, d = None, local.decode
-                    elif self.pair_policy is not None:
-                        p, d = self.pair_policy.pick(self.pool.by_role(PREFILL), self.pool.by_role(DECODE),
-                                                     prep.input_ids, tried)
-                    else:
-                        p, d = self.pool.pick_pair(self.prefill_policy, self.decode_policy, prep.input_ids, tried)
-                except NoWorkerError as exc:
-                    if last is not None:
-                        break
-                    status = "rejected"
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy worker: {exc}") from exc
-                room, left = secrets.randbits(63), max(0.001, deadline - time.monotonic())
-                legs = LocalLeg(prep, d, room, left, _abort_leg) if local else _Legs(prep, p, d, room, left)
-                picked = {w.worker_id for w in (p, d) if w is not None}
-                try:
-                    first = await self._first_chunk(legs, abort_wait, deadline)
-                except _LegFailure as f:
-                    legs.close(abort=True, reason=f"twin leg failed: {f}", background=self._background)
-                    if f.code not in _CLIENT_CODES + (grpc.StatusCode.RESOURCE_EXHAUSTED,):
-                        # which of the two is down? ask both (<= 1 s)
-                        await asyncio.gather(*(self.pool.probe(w) for w in (p, d) if w is not None))
-                    if time.monotonic() >= deadline:
-                        status = "timeout"
-                        raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed: {f}") from None
-                    if f.code in _CLIENT_CODES:
-                        status = "invalid"
-                        raise RouterError(f.code, f.detail) from None
-                    if f.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not any(
-                            w.available and w.worker_id not in tried | picked
-                            for w in self.pool.by_role(f.leg)):
-                        # workers queue while their pool is busy: this one can never hold the
-                        # request, and no untried worker of that role is left to ask
-                        status = "rejected"
-                        raise RouterError(f.code, f"{f.detail} (prompt + max_tokens does not fit any "
-                                          f"{f.leg} worker's KV pool)", "max_tokens",
-                                          "context_length_exceeded") from None
-                    log.warning("request %s attempt %d (room %d, %s -> %s) failed before the first token: %s",
-                                prep.worker_request_id, attempt + 1, legs.room, p.worker_id if p else "(local)",
-                                d.worker_id, f)
-                    tried |= picked
-                    last = f
-                    if attempt + 1 < self.max_attempts:
-                        M.ROUTER_RETRIES.labels(leg=f.leg).inc()
-                    continue
-                break
-            if first is None and legs is not None and not legs.closed:  # aborted before the first token
-                legs.close(abort=True, reason=handle.reason, background=self._background)
-                status = "cancelled"
+            legs, first, attempt = await self._open_pair(prep, handle, abort_wait, deadline, set())
+            if first is None:  # aborted before the first token
+                handle.status = "cancelled"
                 yield router_pb2.GenerateResponse(request_id=rid, finish_reason="abort",
                                                   usage=router_pb2.Usage(prompt_tokens=len(prep.input_ids)))
                 return
             if ticket is not None:
                 ticket.started()
-            if prefilled is not None and first is not None:
-                legs.p_task.add_done_callback(lambda _task: prefilled.set())
-            if first is None:
-                code = last.code if last and last.code == grpc.StatusCode.RESOURCE_EXHAUSTED else grpc.StatusCode.UNAVAILABLE
-                raise RouterError(code, f"request failed after {self.max_attempts} attempts; last: {last}")
-            async for resp in self._relay(prep, legs, first, abort_wait, handle, deadline, start, attempt):
+            if prefilled is not None:
+                if legs.p_task is None:
+                    prefilled.set()
+                else:
+                    legs.p_task.add_done_callback(lambda _task: prefilled.set())
+            state = StreamState(prep, self.migration_limit, retries=attempt)
+            async for resp in self._relay(state, legs, first, abort_wait, handle, deadline, start):
                 if resp.finish_reason:
-                    status = "cancelled" if resp.finish_reason == "abort" else "ok"
+                    handle.status = "cancelled" if resp.finish_reason == "abort" else "ok"
                 yield resp
         except RouterError as exc:
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                status = "timeout"
+                handle.status = "timeout"
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            status = "cancelled"
+            handle.status = "cancelled"
             raise
         finally:
             abort_wait.cancel()
             if ticket is not None:
                 ticket.close()
-            if legs is not None and not legs.closed:
-                legs.close(abort=True, reason=handle.reason or "client went away", background=self._background)
+            if handle.legs is not None and not handle.legs.closed:
+                handle.legs.close(abort=True, reason=handle.reason or "client went away", background=self._background)
             self.release(prep.tenant, rid)
             M.ROUTER_IN_FLIGHT.dec()
-            self.count(status, start, prep.tenant)
+            self.count(handle.status, start, prep.tenant)
 
-    async def _first_chunk(self, legs: _Legs | LocalLeg, abort_wait: asyncio.Future, deadline: float):
-        """Wait for D's first chunk with tokens; None when aborted. Raises _LegFailure: DEADLINE_EXCEEDED
+    async def _open_pair(self, prep: PreparedRequest, handle: _Inflight, abort_wait: asyncio.Future,
+                         deadline: float, tried: set[str]) -> tuple[Legs | LocalLeg, decode_pb2.DecodeChunk | None, int]:
+        """Pick a pair (avoiding ``tried`` when others are available), start both legs and wait for
+        D's first token, retrying on a new pair up to ``max_attempts`` times. Returns (legs, first
+        chunk or None when aborted meanwhile (the legs are closed then), attempts - 1); the legs
+        are also ``handle.legs``, so that every exit closes them.
+
+        Raises:
+            RouterError: as :meth:`generate` (``handle.status`` says how to count it).
+        """
+        last: LegFailure | None = None
+        legs: Legs | LocalLeg | None = None
+        for attempt in range(self.max_attempts):
+            local = self.local_prefill and self.local_prefill.choose(
+                self.pool.by_role(PREFILL), self.pool.by_role(DECODE), prep.input_ids, tried)
+            try:
+                if local:
+                    p, d = None, local.decode
+                elif self.pair_policy is not None:
+                    p, d = self.pair_policy.pick(self.pool.by_role(PREFILL), self.pool.by_role(DECODE),
+                                                 prep.input_ids, tried)
+                else:
+                    p, d = self.pool.pick_pair(self.prefill_policy, self.decode_policy, prep.input_ids, tried)
+            except NoWorkerError as exc:
+                if last is not None:
+                    break
+                handle.status = "rejected"
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy worker: {exc}") from exc
+            room, left = secrets.randbits(63), max(0.001, deadline - time.monotonic())
+            legs = handle.legs = LocalLeg(prep, d, room, left, abort_leg) if local else Legs(prep, p, d, room, left)
+            picked = {w.worker_id for w in (p, d) if w is not None}
+            try:
+                first = await self._first_chunk(legs, abort_wait, deadline)
+            except LegFailure as f:
+                legs.close(abort=True, reason=f"twin leg failed: {f}", background=self._background)
+                if f.code not in _CLIENT_CODES + (grpc.StatusCode.RESOURCE_EXHAUSTED,):
+                    # which of the two is down? ask both (<= 1 s)
+                    await asyncio.gather(*(self.pool.probe(w) for w in (p, d) if w is not None))
+                if time.monotonic() >= deadline:
+                    handle.status = "timeout"
+                    raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed: {f}") from None
+                if f.code in _CLIENT_CODES:
+                    handle.status = "invalid"
+                    raise RouterError(f.code, f.detail) from None
+                if f.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not any(
+                        w.available and w.worker_id not in tried | picked
+                        for w in self.pool.by_role(f.leg)):
+                    # workers queue while their pool is busy: this one can never hold the
+                    # request, and no untried worker of that role is left to ask
+                    handle.status = "rejected"
+                    raise RouterError(f.code, f"{f.detail} (prompt + max_tokens does not fit any "
+                                      f"{f.leg} worker's KV pool)", "max_tokens",
+                                      "context_length_exceeded") from None
+                log.warning("request %s attempt %d (room %d, %s -> %s) failed before the first token: %s",
+                            prep.worker_request_id, attempt + 1, legs.room, p.worker_id if p else "(local)",
+                            d.worker_id, f)
+                tried |= picked
+                last = f
+                if attempt + 1 < self.max_attempts:
+                    M.ROUTER_RETRIES.labels(leg=f.leg).inc()
+                continue
+            if first is None:
+                legs.close(abort=True, reason=handle.reason, background=self._background)
+            return legs, first, attempt
+        code = last.code if last and last.code == grpc.StatusCode.RESOURCE_EXHAUSTED else grpc.StatusCode.UNAVAILABLE
+        raise RouterError(code, f"request failed after {self.max_attempts} attempts; last: {last}")
+
+    async def _first_chunk(self, legs: Legs | LocalLeg, abort_wait: asyncio.Future, deadline: float):
+        """Wait for D's first chunk with tokens; None when aborted. Raises LegFailure: DEADLINE_EXCEEDED
         when D sent nothing (no token, no keepalive) for ``first_token_timeout`` s."""
         read = legs.read()
         wait_until = min(deadline, time.monotonic() + self.first_token_timeout)
@@ -348,43 +304,43 @@ class Dispatcher:
                 if not done:
                     if time.monotonic() >= deadline:
                         raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the first token")
-                    raise _LegFailure(DECODE, legs.d, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    raise LegFailure(DECODE, legs.d, grpc.StatusCode.DEADLINE_EXCEEDED,
                                       f"no first token and no keepalive within {self.first_token_timeout:g} s")
                 if legs.p_task in done and legs.p_result is None:
                     exc = legs.p_task.exception() if not legs.p_task.cancelled() else asyncio.CancelledError()
                     if exc is not None:
-                        raise _LegFailure(PREFILL, legs.p, *_code_of(exc))
+                        raise LegFailure(PREFILL, legs.p, *code_of(exc))
                     legs.p_result = legs.p_task.result()
                 if read in done:
                     exc = read.exception() if not read.cancelled() else asyncio.CancelledError()
                     if exc is not None:
-                        raise _LegFailure(DECODE, legs.d, *_code_of(exc))
+                        raise LegFailure(DECODE, legs.d, *code_of(exc))
                     chunk = read.result()
                     if chunk is grpc.aio.EOF:
-                        raise _LegFailure(DECODE, legs.d, grpc.StatusCode.UNAVAILABLE,
+                        raise LegFailure(DECODE, legs.d, grpc.StatusCode.UNAVAILABLE,
                                           "stream ended before the first token")
                     if chunk.token_ids:
                         return chunk
                     if chunk.finish_reason:
-                        raise _LegFailure(DECODE, legs.d, grpc.StatusCode.ABORTED,
+                        raise LegFailure(DECODE, legs.d, grpc.StatusCode.ABORTED,
                                           f"finished with {chunk.finish_reason!r} before the first token")
                     # D's keepalive (the request is queued there): a sign of life restarts the timer
                     wait_until = min(deadline, time.monotonic() + self.first_token_timeout)
                     read = legs.read()
         finally:
-            _discard(read)
+            discard(read)
 
-    async def _relay(self, prep: PreparedRequest, legs: _Legs | LocalLeg, first: decode_pb2.DecodeChunk,
-                     abort_wait: asyncio.Future, handle: _Inflight, deadline: float, start: float,
-                     retries: int) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def _relay(self, state: StreamState, legs: Legs | LocalLeg, first: decode_pb2.DecodeChunk,
+                     abort_wait: asyncio.Future, handle: _Inflight, deadline: float,
+                     start: float) -> AsyncIterator[router_pb2.GenerateResponse]:
+        prep = state.prep
         rid = prep.request_id
         detok = IncrementalDetokenizer(self.tok.backend, prep.input_ids, prep.stop)
-        usage = router_pb2.Usage(prompt_tokens=len(prep.input_ids), retries=retries)
-        meta = dict(request_id=rid, prefill_worker=legs.p.worker_id if legs.p else "", decode_worker=legs.d.worker_id)
         chunk = first
-        n_tokens = 0
         last_emit = None
         while True:
+            meta = dict(request_id=rid, prefill_worker=legs.p.worker_id if legs.p else "",
+                        decode_worker=legs.d.worker_id)
             if chunk is None:
                 read = legs.read()
                 try:
@@ -393,34 +349,29 @@ class Dispatcher:
                 finally:
                     # the client's deadline cancels this handler while D's call, bound by the same
                     # deadline, may already have failed: the read's exception must still be retrieved
-                    _discard(read)
+                    discard(read)
                 if abort_wait in done or not done:
                     if not done:
                         raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                          f"deadline passed after {n_tokens} tokens")
+                                          f"deadline passed after {state.n_tokens} tokens")
                     legs.close(abort=True, reason=handle.reason, background=self._background)
-                    usage.completion_tokens = n_tokens
-                    yield router_pb2.GenerateResponse(text=detok.flush(), finish_reason="abort", usage=usage, **meta)
+                    yield router_pb2.GenerateResponse(text=detok.flush(), finish_reason="abort",
+                                                      usage=state.finish(legs.p_done()), **meta)
                     return
                 exc = read.exception() if not read.cancelled() else asyncio.CancelledError()
                 chunk = read.result() if exc is None else None
                 if exc is not None or chunk is grpc.aio.EOF:
-                    code, detail = _code_of(exc) if exc is not None else (grpc.StatusCode.UNAVAILABLE, "stream ended without a finish reason")
-                    if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline:
-                        raise RouterError(code, f"deadline passed after {n_tokens} tokens")
-                    if code == grpc.StatusCode.UNAVAILABLE:
-                        probe = asyncio.ensure_future(self.pool.probe(legs.d))
-                        self._background.add(probe)
-                        probe.add_done_callback(self._background.discard)
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                                      f"decode worker {legs.d.worker_id} ({legs.d.address}) failed after {n_tokens} "
-                                      f"tokens were sent: {code.name}: {detail}")
+                    legs, chunk = await self._migrate(state, legs, exc, abort_wait, handle, deadline)
+                    if chunk is None:  # aborted while a new pair was found
+                        yield router_pb2.GenerateResponse(text=detok.flush(), finish_reason="abort",
+                                                          usage=state.finish(None), request_id=rid)
+                        return
+                    continue
                 if not chunk.token_ids and not chunk.finish_reason:
                     # D sends keepalives only before the first token; an empty chunk is never relayed
                     chunk = None
                     continue
-            _merge_usage(usage, chunk)
-            n_tokens += len(chunk.token_ids)
+            state.add(chunk)
             text = detok.extend(chunk.token_ids)
             finish = chunk.finish_reason
             matched = chunk.matched_stop
@@ -429,7 +380,6 @@ class Dispatcher:
             if finish:
                 text += detok.flush(matched or None)
                 matched = detok.stop_reason or matched
-                _finish_usage(usage, legs, n_tokens, chunk)
                 if not chunk.finish_reason:  # the router saw the stop string first: D still runs
                     legs.close(abort=True, reason="stop string matched", background=self._background)
                 else:
@@ -437,7 +387,7 @@ class Dispatcher:
             resp = router_pb2.GenerateResponse(token_ids=chunk.token_ids, text=text, logprobs=chunk.logprobs,
                                                finish_reason=finish, matched_stop=matched or "", **meta)
             if finish:
-                resp.usage.CopyFrom(usage)
+                resp.usage.CopyFrom(state.finish(legs.p_done()))
             now = time.monotonic()
             if chunk.token_ids:
                 if last_emit is None:
@@ -454,26 +404,40 @@ class Dispatcher:
                 return
             chunk = None
 
+    async def _migrate(self, state: StreamState, legs: Legs | LocalLeg, exc: BaseException | None,
+                       abort_wait: asyncio.Future, handle: _Inflight,
+                       deadline: float) -> tuple[Legs | LocalLeg, decode_pb2.DecodeChunk | None]:
+        """D's stream broke after tokens were sent (``exc``; None: it ended without a finish reason):
+        continue on a new pair (router_svc/migration.py). Returns the new legs and their first chunk
+        (None when the request was aborted meanwhile).
 
-def _merge_usage(usage: router_pb2.Usage, chunk: decode_pb2.DecodeChunk) -> None:
-    """D sets the accounting fields on its first and last chunks; keep the non-zero ones."""
-    if chunk.cached_tokens:
-        usage.cached_tokens = chunk.cached_tokens
-    if chunk.decode_prefix_tokens:
-        usage.decode_prefix_tokens = chunk.decode_prefix_tokens
-    if chunk.kv_pages_transferred:
-        usage.kv_pages_transferred = chunk.kv_pages_transferred
-    if chunk.kv_bytes_transferred:
-        usage.kv_bytes_transferred = chunk.kv_bytes_transferred
-
-
-def _finish_usage(usage: router_pb2.Usage, legs: _Legs | LocalLeg, n_tokens: int, last: decode_pb2.DecodeChunk) -> None:
-    usage.completion_tokens = n_tokens
-    r = legs.p_result
-    if r is None and legs.p_task is not None and legs.p_task.done() and not legs.p_task.cancelled() and legs.p_task.exception() is None:
-        r = legs.p_task.result()
-    if r is not None:  # P's own numbers, when D did not forward them
-        usage.cached_tokens = usage.cached_tokens or r.cached_tokens
-        usage.kv_pages_transferred = usage.kv_pages_transferred or r.pages_sent
-        usage.kv_bytes_transferred = usage.kv_bytes_transferred or r.bytes_sent
-    usage.cached_tokens = max(0, min(usage.cached_tokens, usage.prompt_tokens))
+        Raises:
+            RouterError: UNAVAILABLE naming the worker and why the stream was not migrated (the
+                limit, the request's kind, no pair left), DEADLINE_EXCEEDED.
+        """
+        code, detail = code_of(exc) if exc is not None else (grpc.StatusCode.UNAVAILABLE, "stream ended without a finish reason")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline:
+            raise RouterError(code, f"deadline passed after {state.n_tokens} tokens")
+        reason = migrate_reason(exc)
+        failed = legs.d
+        legs.close(abort=True, reason=f"migrating: {code.name}: {detail}", background=self._background)
+        what = (f"decode worker {failed.worker_id} ({failed.address}) failed after {state.n_tokens} tokens "
+                f"were sent: {code.name}: {detail}")
+        if reason != "drain":
+            # down, or its peer? the answer also keeps it out of the next pick
+            await self.pool.probe(failed)
+        why = state.refusal(code)
+        if why:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}; {why}")
+        if state.n_tokens >= state.prep.sampling.max_tokens:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}; it had sent every token but not its finish")
+        state.seam(legs.p_done())
+        M.ROUTER_MIGRATIONS.labels(reason=reason).inc()
+        log.warning("request %s: %s; migrating (%d of --migration-limit %d)", state.prep.worker_request_id,
+                    what, state.migrations, state.limit)
+        try:
+            new, first, _ = await self._open_pair(state.continuation(), handle, abort_wait, deadline,
+                                                  {failed.worker_id})
+        except RouterError as e:
+            raise RouterError(e.code, f"{what}; migration failed: {e.message}", e.param, e.err_code) from None
+        return new, first

@@ -97,7 +97,7 @@ class LocalPrefillPolicy:
 
 class LocalLeg:
     """One attempt with a decode leg only (``DecodeRequest.local_prefill``): the interface of
-    ``dispatch._Legs`` with ``p`` None and ``p_result`` an empty ``PrefillResult`` (P computed and
+    ``legs.Legs`` with ``p`` None and ``p_result`` an empty ``PrefillResult`` (P computed and
     sent nothing, so usage keeps D's numbers)."""
 
     def __init__(self, prep: PreparedRequest, d: Worker, room: int, timeout: float | None,
@@ -111,6 +111,10 @@ class LocalLeg:
         self.p_result = prefill_pb2.PrefillResult()
         d.inflight += 1
         self.closed = False
+
+    def p_done(self) -> prefill_pb2.PrefillResult:
+        """P's answer: always the empty result (no P leg)."""
+        return self.p_result
 
     def read(self) -> asyncio.Task:
         return asyncio.ensure_future(self.d_call.read())

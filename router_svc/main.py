@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from engine.engine_args import non_negative_int
 from engine.model_store import DEFAULT_MODEL, resolve_model
 from telemetry.metrics import start_metrics_server, stop_metrics_servers
 from protos import router_pb2, router_pb2_grpc
@@ -80,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without any sign of life from D (a token, or a keepalive of a request "
                         "queued there: serve-decode --queue-keepalive) before the first token, after "
                         "which the attempt fails and is retried; --request-timeout still bounds the total")
+    p.add_argument("--migration-limit", type=non_negative_int, default=3,
+                   help="times a stream may move to another prefill/decode pair when its decode worker "
+                        "fails or drains after tokens were sent (prompt + those tokens re-dispatched; the "
+                        "client's stream goes on from the next token); 0 = never (UNAVAILABLE)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline (seconds) when the client sets none")
     p.add_argument("--log-level", default="INFO")
     # for the router's channels to workers and registry; its own face to clients is API-key based
@@ -152,6 +157,7 @@ async def serve(args: argparse.Namespace) -> int:
     dispatcher = Dispatcher(tok, pool, make_policy(args.prefill_policy or "cache_aware", args.page_size),
                             make_policy(args.decode_policy or "cache_aware", args.page_size),
                             max_attempts=args.max_attempts, first_token_timeout=args.first_token_timeout,
+                            migration_limit=args.migration_limit,
                             request_timeout=args.request_timeout, admission=door.admission,
                             tenants=door.keys.tenants, pair_policy=pair_policy,
                             local_prefill=local_prefill_from_args(args, pair_policy))

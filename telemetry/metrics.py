@@ -146,6 +146,8 @@ __all__ = [
 # --- label values (documented sets; use these constants rather than string literals) ----------
 REQUEST_STATUSES = ("ok", "error", "cancelled", "timeout", "invalid", "rejected", "rate_limited", "queue_full")
 RETRY_LEGS = ("prefill", "decode")
+# why a stream moved to another pair after tokens were sent: its decode worker failed / was draining
+MIGRATION_REASONS = ("failure", "drain")
 PREFILL_QUEUES = ("waiting_destination", "prefilling", "transferring")
 DECODE_QUEUES = ("prealloc", "transfer", "waiting", "retracted", "local_prefill")
 LOCAL_PREFILL_REASONS = ("short_tail", "prefill_queue")
@@ -203,6 +205,11 @@ ROUTER_RETRIES = Counter(
 ROUTER_LOCAL_PREFILLS = Counter(
     "halfmoon_router_local_prefills_total",
     "Attempts sent to a decode worker alone, which prefills the prompt's uncached tail itself, by reason.",
+    ["reason"], registry=_R)
+ROUTER_MIGRATIONS = Counter(
+    "halfmoon_router_migrations_total",
+    "Streams re-dispatched to another pair after their decode worker failed or drained mid-stream "
+    "(prompt + the tokens already sent; the client's stream goes on), by reason.",
     ["reason"], registry=_R)
 ROUTER_IN_FLIGHT = Gauge(
     "halfmoon_router_requests_in_flight", "Client requests accepted and not yet finished.",
@@ -341,6 +348,8 @@ for _leg in RETRY_LEGS:
     ROUTER_RETRIES.labels(leg=_leg)
 for _reason in LOCAL_PREFILL_REASONS:
     ROUTER_LOCAL_PREFILLS.labels(reason=_reason)
+for _reason in MIGRATION_REASONS:
+    ROUTER_MIGRATIONS.labels(reason=_reason)
 for _api in AUTH_APIS:
     for _reason in AUTH_FAILURE_REASONS:
         ROUTER_AUTH_FAILURES.labels(api=_api, reason=_reason)
@@ -374,7 +383,7 @@ def init_router_series(policy: str, tenants: Iterable[str], statuses: Iterable[s
 
 METRICS_BY_GROUP: dict[str, tuple] = {
     "router": (ROUTER_REQUESTS, ROUTER_TTFT, ROUTER_ITL, ROUTER_E2E, ROUTER_RETRIES,
-               ROUTER_IN_FLIGHT, ROUTER_QUEUED, ROUTER_PROMPT_TOKENS, ROUTER_COMPLETION_TOKENS,
+               ROUTER_MIGRATIONS, ROUTER_IN_FLIGHT, ROUTER_QUEUED, ROUTER_PROMPT_TOKENS, ROUTER_COMPLETION_TOKENS,
                ROUTER_AUTH_FAILURES, ROUTER_LOCAL_PREFILLS),
     "prefill": (PREFILL_QUEUE, PREFILL_PROMPT_TOKENS, PREFILL_CACHED_TOKENS, PREFILL_BATCH_SIZE,
                 PREFILL_BATCH_TOKENS, PREFILL_COMPUTE_SECONDS),

@@ -54,6 +54,9 @@ ROWS = [
         ("Retries by failed leg", "timeseries", "short",
          "Prefill/decode pair re-picks per second after a leg failed before the first token.",
          [("sum by (leg) (rate(halfmoon_router_retries_total[1m]))", "{{leg}}")]),
+        ("Stream migrations by reason", "timeseries", "short",
+         "Streams moved to another pair per second after their decode worker failed or drained mid-stream.",
+         [("sum by (reason) (rate(halfmoon_router_migrations_total[1m]))", "{{reason}}")]),
     ]),
     ("Front door", [
         ("Requests per second by tenant", "timeseries", "reqps",

@@ -30,14 +30,14 @@ def running_stack(tmp_path, prefill: int, decode: int, **kw):
     assert not leftovers, f"processes left running after stop: {leftovers}"
 
 
-def stack_fixture(prefill: int, decode: int):
+def stack_fixture(prefill: int, decode: int, **kw):
     """A module-scoped ``stack`` fixture: the whole stack with ``prefill`` + ``decode`` workers
-    (``stack = stack_fixture(1, 1)`` in a test module)."""
+    (``stack = stack_fixture(1, 1)`` in a test module; ``kw``: more StackConfig fields)."""
 
     @pytest.fixture(scope="module")
     def stack(tmp_path_factory):
         with running_stack(tmp_path_factory.mktemp(f"e2e-{prefill}p{decode}d"), prefill=prefill,
-                           decode=decode) as st:
+                           decode=decode, **kw) as st:
             yield st
 
     return stack

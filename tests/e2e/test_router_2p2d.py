@@ -1,7 +1,8 @@
 """The router end to end on 2 prefill + 2 decode workers (real processes, registry discovery,
 cache_aware for both roles): greedy equality across both pairs, shared-prefix follow-ups go to the
 workers that hold the prefix, and a decode worker killed mid-run: its request waiting for the first
-token is retried on the other pair, its request already streaming ends with UNAVAILABLE naming it,
+token is retried on the other pair, its request already streaming ends with UNAVAILABLE naming it
+(this stack's router runs with ``--migration-limit 0``; migration: tests/e2e/test_router_migration.py),
 and new requests keep succeeding."""
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ PREFIX = ("Ships entering the harbour at night followed the lighthouse beam, whi
           "vessel in his logbook, whatever the weather. ") * 2
 
 
-stack = stack_fixture(prefill=2, decode=2)
+stack = stack_fixture(prefill=2, decode=2, router_args=["--migration-limit", "0"])
 
 
 def run_while_killed(stub, proc, input_ids):
@@ -101,6 +102,7 @@ def test_decode_worker_killed(stack, stub, tok):
             pass
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
     assert victim in ei.value.details() and "after" in ei.value.details()
+    assert "--migration-limit 0 reached" in ei.value.details()
 
     # (3) new requests keep succeeding, on the survivor
     deadline = time.monotonic() + 10

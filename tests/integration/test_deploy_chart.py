@@ -226,7 +226,9 @@ def test_chart_args_parse_with_the_real_cli():
     ("router.prefillPolicy=random", "router.prefillPolicy must be one of the following"),
     ("cache.volume.hostPath.path=/m,cache.volume.persistentVolumeClaim.claimName=c",
      "cache.volume must hold one volume source, got [hostPath persistentVolumeClaim]"),
-], ids=["variant", "typo", "port", "policy", "two-volumes"])
+    ("decode.drainGraceSeconds=115",
+     "decode.terminationGracePeriodSeconds (120) must be at least decode.drainGraceSeconds + 20 (135)"),
+], ids=["variant", "typo", "port", "policy", "two-volumes", "drain-beyond-termination-grace"])
 def test_bad_values_are_rejected_with_a_clear_error(bad, message):
     proc = subprocess.run([_helm(), "template", "hm", str(CHART), "--set", bad], capture_output=True,
                           text=True, timeout=60)

@@ -40,8 +40,9 @@ def test_sigterm_answers_waiting_callers_and_exits(tmp_path):
     reg = start_registry(tmp_path)
     workers = []
     try:
-        p = start_worker("prefill", reg.address, tmp_path, "prefill-term")
-        d = start_worker("decode", reg.address, tmp_path, "decode-term")
+        # a short drain: the waiting calls below outlast any grace (docs/architecture.md, Shutdown)
+        p = start_worker("prefill", reg.address, tmp_path, "prefill-term", extra=["--drain-grace-s", "1"])
+        d = start_worker("decode", reg.address, tmp_path, "decode-term", extra=["--drain-grace-s", "1"])
         workers += [p, d]
         sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=4)
         # P waits for a destination that never comes (no D leg for this room) ...

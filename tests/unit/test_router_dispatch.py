@@ -39,11 +39,13 @@ def _prefilled(room: int) -> asyncio.Event:
 
 
 class ScriptedWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
-    """mode: "ok" | "unavailable" | "invalid" | "die_after_first" | "slow" (tokens every 50 ms, forever)."""
+    """mode: "ok" | "unavailable" | "invalid" | "die_after_first" | "drain_after_first" | "slow" (tokens
+    every 50 ms, forever)."""
 
     def __init__(self, tokens: list[int], mode: str = "ok") -> None:
         self.tokens, self.mode = tokens, mode
         self.calls: list[int] = []        # rooms seen
+        self.requests: list = []          # DecodeRequests seen
         self.aborts: list[tuple[str, int]] = []
 
     async def Prefill(self, request, context):
@@ -54,23 +56,35 @@ class ScriptedWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeSer
         return prefill_pb2.PrefillResult(room=request.room, first_token_id=self.tokens[0], cached_tokens=0,
                                          pages_sent=1, bytes_sent=4096)
 
+    def _sent(self, input_ids) -> int:
+        """Tokens of the script a migrated request already carries at the end of its prompt."""
+        for k in range(min(len(input_ids), len(self.tokens)), 0, -1):
+            if list(input_ids[-k:]) == self.tokens[:k]:
+                return k
+        return 0
+
     async def Generate(self, request, context):
         self.calls.append(request.room)
+        self.requests.append(request)
+        tokens = self.tokens[self._sent(request.input_ids):]   # a migrated stream goes on from there
         if self.mode == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode down")
         if self.mode == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: too many")
         # like a real D: the first token exists only once P has prefilled this room
         await _prefilled(request.room).wait()
-        yield decode_pb2.DecodeChunk(token_ids=self.tokens[:1], prompt_tokens=len(request.input_ids))
+        yield decode_pb2.DecodeChunk(token_ids=tokens[:1], prompt_tokens=len(request.input_ids))
         if self.mode == "die_after_first":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode crashed")
+        if self.mode == "drain_after_first":   # what a draining D ends its streams with
+            context.set_trailing_metadata((("halfmoon-migrate", "drain"),))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker draining")
         if self.mode == "slow":
             while True:
                 await asyncio.sleep(0.05)
                 yield decode_pb2.DecodeChunk(token_ids=self.tokens[1:2])
-        yield decode_pb2.DecodeChunk(token_ids=self.tokens[1:], finish_reason="length",
-                                     completion_tokens=len(self.tokens), kv_pages_transferred=1)
+        yield decode_pb2.DecodeChunk(token_ids=tokens[1:], finish_reason="length",
+                                     completion_tokens=len(tokens), kv_pages_transferred=1)
 
     async def Abort(self, request, context):
         self.aborts.append((request.request_id, request.room))
@@ -94,7 +108,7 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
-async def setup(tok, modes: dict[str, str], text="Hello there"):
+async def setup(tok, modes: dict[str, str], text="Hello there", **dispatcher_kw):
     tokens = tok.encode(" world, how are you")
     workers, servers = {}, []
     pool = WorkerPool()
@@ -105,7 +119,7 @@ async def setup(tok, modes: dict[str, str], text="Hello there"):
         servers.append(server)
         workers[name] = w
         pool.add(name, role, addr).healthy = True
-    d = Dispatcher(tok, pool, make_policy("round_robin"), make_policy("round_robin"))
+    d = Dispatcher(tok, pool, make_policy("round_robin"), make_policy("round_robin"), **dispatcher_kw)
     prep = prepare(router_pb2.GenerateRequest(text=text, sampling=common_pb2.SamplingParams(max_tokens=8)), tok)
     return d, prep, workers, servers, tokens
 
@@ -175,7 +189,7 @@ def test_client_error_from_a_worker_is_not_retried(tok):
 
 def test_decode_failure_after_first_token_is_unavailable_naming_the_worker(tok):
     async def main():
-        d, prep, ws, servers, _ = await setup(tok, {"p0": "ok", "d0": "die_after_first"})
+        d, prep, ws, servers, _ = await setup(tok, {"p0": "ok", "d0": "die_after_first"}, migration_limit=0)
         got = []
         with pytest.raises(RouterError) as ei:
             async for r in d.generate(prep):
@@ -186,7 +200,8 @@ def test_decode_failure_after_first_token_is_unavailable_naming_the_worker(tok):
     err, got, ws = run(main())
     assert len(got) == 1 and got[0].token_ids
     assert err.code == grpc.StatusCode.UNAVAILABLE and "d0" in err.message and "after 1 tokens" in err.message
-    assert len(ws["d0"].calls) == 1   # never retried once tokens were sent
+    assert "--migration-limit 0" in err.message
+    assert len(ws["d0"].calls) == 1   # never retried once tokens were sent (migration off)
 
 
 def test_router_abort_ends_stream_and_aborts_both_legs(tok):
@@ -291,7 +306,7 @@ def test_both_legs_failing_in_one_wait_log_no_unretrieved_task_exception(tok):
     import gc
     import time
 
-    from router_svc.dispatch import _LegFailure
+    from router_svc.legs import LegFailure as _LegFailure
 
     def rpc_error(code, details):
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)

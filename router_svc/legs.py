@@ -1,0 +1,90 @@
+"""The two concurrent calls of one PD attempt (docs/architecture.md, A request's path, step 1): D's
+``Generate`` stream and P's ``Prefill``, the failure of either leg, and their cancel + ``Abort``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from protos import common_pb2, decode_pb2, prefill_pb2
+from router_svc.validation import PreparedRequest
+from router_svc.worker import Worker
+
+log = logging.getLogger("halfmoon.router.dispatch")
+
+
+class LegFailure(Exception):
+    def __init__(self, leg: str, worker: Worker, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(f"{leg} worker {worker.worker_id} ({worker.address}): {code.name}: {detail}")
+        self.leg, self.worker, self.code, self.detail = leg, worker, code, detail
+
+
+class Legs:
+    """The two concurrent calls of one attempt."""
+
+    def __init__(self, prep: PreparedRequest, p: Worker, d: Worker, room: int, timeout: float | None) -> None:
+        self.prep, self.p, self.d, self.room = prep, p, d, room
+        dreq = decode_pb2.DecodeRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
+                                        sampling=prep.sampling, prefill_address=p.address,
+                                        prefill_worker_id=p.worker_id)
+        preq = prefill_pb2.PrefillRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
+                                          sampling=prep.sampling)
+        self.d_call = d.stub.Generate(dreq, timeout=timeout)
+        self.p_task: asyncio.Task = asyncio.ensure_future(p.stub.Prefill(preq, timeout=timeout))
+        self.p_result: prefill_pb2.PrefillResult | None = None
+        p.inflight += 1
+        d.inflight += 1
+        self.closed = False
+
+    def p_done(self) -> prefill_pb2.PrefillResult | None:
+        """P's answer, when its call already succeeded."""
+        if self.p_result is None and self.p_task.done() and not self.p_task.cancelled() \
+                and self.p_task.exception() is None:
+            self.p_result = self.p_task.result()
+        return self.p_result
+
+    def read(self) -> asyncio.Task:
+        return asyncio.ensure_future(self.d_call.read())
+
+    def close(self, abort: bool, reason: str, background: set) -> None:
+        """Cancel what still runs; with ``abort``, also send Abort(request_id, room) to both legs."""
+        if self.closed:
+            return
+        self.closed = True
+        self.p.inflight -= 1
+        self.d.inflight -= 1
+        self.d_call.cancel()
+        discard(self.p_task)
+        if abort:
+            req = common_pb2.AbortRequest(request_id=self.prep.worker_request_id, room=self.room, reason=reason)
+            for w in (self.d, self.p):
+                t = asyncio.ensure_future(abort_leg(w, req))
+                background.add(t)
+                t.add_done_callback(background.discard)
+
+
+def discard(task: asyncio.Future) -> None:
+    """Cancel a pending leg task, or mark a finished one's exception as seen: both legs can fail in the
+    same wait (P refuses the pair, D reports "prefill failed"), and an exception nobody retrieved is
+    logged by asyncio as "Task exception was never retrieved" with a traceback."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
+
+
+async def abort_leg(w: Worker, req: common_pb2.AbortRequest) -> None:
+    try:
+        await w.stub.Abort(req, timeout=5.0)
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError) as exc:
+        # UsageError: the worker was removed from the pool meanwhile and its channel closed
+        log.debug("Abort to %s failed: %s", w.worker_id, exc)
+
+
+def code_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.UNKNOWN, repr(exc)
