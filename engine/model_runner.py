@@ -43,7 +43,7 @@ class ModelRunner:
         With ``config.tp_size > 1`` this runner is rank 0 of a tensor-parallel group: it starts the
         other ranks, and holds (as each of them) only its shard of the model and of the KV pool's kv
         heads (``engine.distributed``). ``tp`` is given by a follower rank only.
-        Raises ValueError (naming ``tp``) when the model's heads cannot be split over ``tp_size``.
+        Raises InvalidRequestError(field="tp") when the model's heads cannot be split over ``tp_size``.
         """
         config.apply_threads()
         self.config = config

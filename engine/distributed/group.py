@@ -28,6 +28,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -144,7 +145,9 @@ class TPGroup:
             dist.broadcast(msg, src=0, group=self.group)
             return forward()
         except (OSError, RuntimeError) as e:
-            reason = self._dead or f"tensor-parallel collective failed: {e}".splitlines()[0]
+            # a peer's death usually shows first as a reset socket: name the rank that exited if any
+            reason = self._dead or self._exited_follower(wait_s=1.0) or \
+                f"tensor-parallel collective failed: {str(e).splitlines()[0]}"
             self._fail(reason)
             raise TPRankDied(reason) from None
 
@@ -168,14 +171,25 @@ class TPGroup:
         """Why the group died (None while it is alive)."""
         return self._dead
 
-    def _watch_followers(self) -> None:
-        while not self._closing.wait(0.1):
+    def _exited_follower(self, wait_s: float = 0.0) -> str | None:
+        """Which follower exited (a sentence), waiting up to ``wait_s`` for one to; None if none did."""
+        deadline = time.monotonic() + wait_s
+        while True:
             for r, p in enumerate(self._followers, start=1):
                 code = p.poll()
                 if code is not None:
                     how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                    self._fail(f"tensor-parallel rank {r} (pid {p.pid}) exited with {how}")
-                    return
+                    return f"tensor-parallel rank {r} (pid {p.pid}) exited with {how}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _watch_followers(self) -> None:
+        while not self._closing.wait(0.1):
+            reason = self._exited_follower()
+            if reason is not None:
+                self._fail(reason)
+                return
 
     def _fail(self, reason: str) -> None:
         if self._dead is not None or self._closing.is_set():

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.distributed.group import TPGroup
 from engine.distributed.shard import TPShard, plan_shard
 from engine.distributed.tp_model import load_tp_model
@@ -18,12 +19,12 @@ def start_tp(config: EngineConfig, group: TPGroup | None, loaded) -> tuple[TPGro
                                                                           tuple[LlamaForCausalLM, Path | None]]:
     """(group, this rank's shard, (model, HF dir)). ``group`` None: this is rank 0, start the others.
 
-    Raises ValueError (``tp`` named) before any process starts when the model's heads cannot be
-    split, or when ``loaded`` weights are passed (a shard is loaded per rank, never shared);
+    Raises InvalidRequestError(field="tp") before any process starts when the model's heads cannot
+    be split, or when ``loaded`` weights are passed (a shard is loaded per rank, never shared);
     TPRankDied / RuntimeError when the group does not form within ``config.tp_timeout_s``.
     """
     if loaded is not None:
-        raise ValueError("tp: a tensor-parallel engine loads its own shards; it cannot reuse loaded weights")
+        raise InvalidRequestError("tp", "a tensor-parallel engine loads its own shards; it cannot reuse loaded weights")
     cfg, _ = resolve_model_config(config.model, config.load_format)
     plan_shard(cfg, 0, config.tp_size)  # raises ValueError for a split that cannot work
     if group is None:

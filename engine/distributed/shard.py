@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.config import ModelConfig
+from engine.errors import InvalidRequestError
 
 
 def even_split(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -61,19 +62,20 @@ class TPShard:
 
 
 def check_tp_size(cfg: ModelConfig, tp: int) -> None:
-    """Raises ValueError (naming ``tp``) when ``cfg``'s heads cannot be split over ``tp`` ranks."""
+    """Raises InvalidRequestError(field="tp") when ``cfg``'s heads cannot be split over ``tp`` ranks."""
     h, kv = cfg.num_heads, cfg.num_kv_heads
     if tp < 1:
-        raise ValueError(f"tp: must be >= 1, got {tp}")
+        raise InvalidRequestError("tp", f"must be >= 1, got {tp}")
     if tp > kv and (tp % kv or (h // kv) < tp // kv):
-        raise ValueError(f"tp: {tp} ranks cannot share the model's {kv} kv heads ({h} q heads): with "
-                         f"fewer kv heads than ranks, tp must be a multiple of {kv} and at most {h}")
+        raise InvalidRequestError("tp", f"{tp} ranks cannot share the model's {kv} kv heads ({h} q heads): "
+                                  f"with fewer kv heads than ranks, tp must be a multiple of {kv} and at most {h}")
     if cfg.intermediate_size < tp:
-        raise ValueError(f"tp: {tp} ranks exceed the MLP's {cfg.intermediate_size} columns")
+        raise InvalidRequestError("tp", f"{tp} ranks exceed the MLP's {cfg.intermediate_size} columns")
 
 
 def plan_shard(cfg: ModelConfig, rank: int, tp: int) -> TPShard:
-    """Rank ``rank``'s shard of ``cfg`` on ``tp`` ranks. Raises ValueError as :func:`check_tp_size`."""
+    """Rank ``rank``'s shard of ``cfg`` on ``tp`` ranks. Raises as :func:`check_tp_size`; ValueError
+    for a rank outside ``[0, tp)``."""
     check_tp_size(cfg, tp)
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} outside [0, {tp})")
