@@ -42,6 +42,7 @@ log = logging.getLogger("halfmoon.engine.tp")
 
 _FRAME = struct.Struct("<qq")  # (op, int64s in the broadcast message)
 OP_STOP, OP_BATCH = 0, 1
+START_TIMEOUT_S = 600.0  # starting: imports and loading a shard, which a busy host slows down
 
 
 class TPRankDied(RuntimeError):
@@ -68,10 +69,12 @@ def _init_group(store: dist.Store, rank: int, size: int, device: torch.device, t
 class TPGroup:
     """One rank's view of the group. Build with :meth:`launch` (rank 0) or :meth:`join` (followers)."""
 
-    def __init__(self, rank: int, size: int, device: torch.device, group: dist.ProcessGroup,
-                 followers: list[subprocess.Popen] | None = None, pipes: list[int] | None = None,
+    def __init__(self, rank: int, size: int, device: torch.device, group: dist.ProcessGroup | None,
+                 store: dist.Store, followers: list[subprocess.Popen] | None = None, pipes: list[int] | None = None,
                  control_fd: int | None = None):
         self.rank, self.size, self.device, self.group = rank, size, device, group
+        self._store = store
+        self._parent = os.getppid() if control_fd is not None else None  # a follower's rank 0
         self.on_rank_death: Callable[[str], None] | None = None
         self._followers = followers or []
         self._pipes = pipes or []
@@ -79,18 +82,20 @@ class TPGroup:
         self._dead: str | None = None
         self._closing = threading.Event()
         self._watch = None
-        if self._followers:
-            self._watch = threading.Thread(target=self._watch_followers, name="tp-watch", daemon=True)
-            self._watch.start()
+
+    def _start_watch(self) -> None:
+        self._watch = threading.Thread(target=self._watch_followers, name="tp-watch", daemon=True)
+        self._watch.start()
 
     # ------------------------------------------------------------------ start
     @classmethod
-    def launch(cls, config_json: dict, size: int, device: str, timeout_s: float) -> "TPGroup":
+    def launch(cls, config_json: dict, size: int, device: str, timeout_s: float,
+               start_timeout_s: float = START_TIMEOUT_S) -> "TPGroup":
         """Rank 0: start ``size - 1`` follower processes for the engine config ``config_json``
         (``EngineConfig`` as a JSON-able dict) and form the group. Raises TPRankDied when a follower
-        exits or the group does not form within ``timeout_s``."""
+        exits, or does not reach the group within ``start_timeout_s`` (imports on a loaded host)."""
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True,
-                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+                              timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         followers, pipes = [], []
@@ -102,25 +107,54 @@ class TPGroup:
                 followers.append(subprocess.Popen(cmd, pass_fds=(rd,), env=env, cwd=root))
                 os.close(rd)
                 pipes.append(wr)
-            dev = rank_device(device, 0)
-            pg = _init_group(store, 0, size, dev, timeout_s)
+            group = cls(0, size, rank_device(device, 0), None, store, followers, pipes)
+            group.barrier("joined", start_timeout_s)
+            group.group = _init_group(store, 0, size, group.device, timeout_s)
         except BaseException:
             for p in followers:
                 p.kill()
+                p.wait()
             for fd in pipes:
                 os.close(fd)
+            if dist.is_initialized():
+                dist.destroy_process_group()
             raise
         log.info("tensor parallel: %d ranks (followers %s), %s", size, [p.pid for p in followers],
-                 "nccl" if dev.type == "cuda" else "gloo")
-        return cls(0, size, dev, pg, followers, pipes)
+                 "nccl" if group.device.type == "cuda" else "gloo")
+        group._start_watch()
+        return group
 
     @classmethod
-    def join(cls, rank: int, size: int, store_port: int, control_fd: int, device: str, timeout_s: float) -> "TPGroup":
+    def join(cls, rank: int, size: int, store_port: int, control_fd: int, device: str, timeout_s: float,
+             start_timeout_s: float = START_TIMEOUT_S) -> "TPGroup":
         """A follower: connect to rank 0's store and form the group."""
         store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        dev = rank_device(device, rank)
-        return cls(rank, size, dev, _init_group(store, rank, size, dev, timeout_s), control_fd=control_fd)
+                              timeout=datetime.timedelta(seconds=start_timeout_s))
+        group = cls(rank, size, rank_device(device, rank), None, store, control_fd=control_fd)
+        group.barrier("joined", start_timeout_s)
+        group.group = _init_group(store, rank, size, group.device, timeout_s)
+        return group
+
+    def barrier(self, name: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait until every rank reached ``barrier(name)``, through the store (so a slow start, e.g.
+        loading a shard on a busy host, is bounded by ``timeout_s`` and not by the collectives'
+        timeout). Rank 0 fails fast (TPRankDied) when a follower exits meanwhile."""
+        self._store.set(f"{name}/{self.rank}", b"1")
+        keys = [f"{name}/{r}" for r in range(self.size)]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._store.wait(keys, datetime.timedelta(seconds=0.5))
+                return
+            except (RuntimeError, dist.DistStoreError):
+                pass
+            exited = self._exited_follower()
+            if self._parent is not None and os.getppid() != self._parent:
+                exited = "tensor-parallel rank 0 exited"
+            if exited is not None:
+                raise TPRankDied(f"{exited} while the engine started")
+            if time.monotonic() > deadline:
+                raise TPRankDied(f"tensor-parallel ranks did not all reach {name!r} within {timeout_s:g} s")
 
     # ------------------------------------------------------------------ collectives
     def min_int(self, n: int) -> int:
@@ -167,6 +201,11 @@ class TPGroup:
 
     # ------------------------------------------------------------------ death and shutdown
     @property
+    def follower_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1 (rank 0 only; empty on a follower)."""
+        return [p.pid for p in self._followers]
+
+    @property
     def dead(self) -> str | None:
         """Why the group died (None while it is alive)."""
         return self._dead
@@ -212,6 +251,8 @@ class TPGroup:
         for fd in self._pipes:
             os.close(fd)
         self._pipes = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Rank 0: stop the followers (then kill what did not exit in ``timeout_s``) and leave the group.

@@ -33,6 +33,7 @@ def start_tp(config: EngineConfig, group: TPGroup | None, loaded) -> tuple[TPGro
     try:
         model = load_tp_model(config.model, config.load_format, shard, group.group, config.torch_dtype,
                               group.device, config.seed)
+        group.barrier("loaded")  # every rank loaded: collectives from here on run under tp_timeout_s
     except BaseException:
         group.kill()
         raise
