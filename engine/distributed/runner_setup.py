@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.distributed.group import TPGroup
@@ -26,7 +28,12 @@ def start_tp(config: EngineConfig, group: TPGroup | None, loaded) -> tuple[TPGro
     if loaded is not None:
         raise InvalidRequestError("tp", "a tensor-parallel engine loads its own shards; it cannot reuse loaded weights")
     cfg, _ = resolve_model_config(config.model, config.load_format)
-    plan_shard(cfg, 0, config.tp_size)  # raises ValueError for a split that cannot work
+    plan_shard(cfg, 0, config.tp_size)  # raises InvalidRequestError for a split that cannot work
+    dev = torch.device(config.device)
+    if dev.type == "cuda" and (dev.index or 0) + config.tp_size > torch.cuda.device_count():
+        raise InvalidRequestError("tp", f"{config.tp_size} ranks from {dev} need GPUs up to "
+                                        f"cuda:{(dev.index or 0) + config.tp_size - 1}; "
+                                        f"this host has {torch.cuda.device_count()}")
     if group is None:
         group = TPGroup.launch(json.loads(config.to_json()), config.tp_size, config.device, config.tp_timeout_s)
     shard = plan_shard(cfg, group.rank, group.size)
