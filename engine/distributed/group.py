@@ -144,9 +144,9 @@ class TPGroup:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self._store.wait(keys, datetime.timedelta(seconds=0.5))
-                return
-            except (RuntimeError, dist.DistStoreError):
+                if self._store.check(keys):
+                    return
+            except (RuntimeError, dist.DistStoreError):  # rank 0's store is gone: the checks below say so
                 pass
             exited = self._exited_follower()
             if self._parent is not None and os.getppid() != self._parent:
@@ -155,6 +155,7 @@ class TPGroup:
                 raise TPRankDied(f"{exited} while the engine started")
             if time.monotonic() > deadline:
                 raise TPRankDied(f"tensor-parallel ranks did not all reach {name!r} within {timeout_s:g} s")
+            time.sleep(0.1)
 
     # ------------------------------------------------------------------ collectives
     def min_int(self, n: int) -> int:

@@ -7,6 +7,8 @@ even one.
   again from the radix cache; KV accounting idle afterwards; the last-token logits of an extend
   within fp32 tolerance of the reference's; each rank's pool holds only its kv heads;
 * a split that cannot work (TP=4) is refused naming ``tp`` before any process starts;
+* a tiny random model with one kv head (replicated on both ranks), q/k/v bias, q/k norms and a
+  vocabulary 2 does not divide: TP=2 equals TP=1;
 * a follower SIGKILLed mid-generation: the forward raises TPRankDied within seconds and the other
   follower is gone too; rank 0 (``halfmoon generate --offline --tp 2``) SIGKILLed: its follower exits
   within seconds.
@@ -147,3 +149,38 @@ def test_rank0_sigkilled_its_follower_exits(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+TINY = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 1001, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+        "attention_bias": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1}
+
+
+def test_replicated_kv_heads_bias_qk_norm_and_padded_vocab(tmp_path):
+    """TP=2 over 1 kv head (replicated on both ranks, which split its 4 q heads), q/k/v bias, per-head
+    q/k norms, tied embeddings and a vocabulary (1001) that 2 does not divide: random weights (the
+    same on both), TP=2 greedy tokens equal TP=1 and the logits agree."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    prompts, sp = [[5, 6, 7, 8, 9], [100, 200]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got = {}
+    for tp in (1, 2):
+        eng = Engine(str(tmp_path), load_format="dummy", page_size=4, num_pages=32, max_running_requests=4,
+                     max_context=64, torch_threads=1, tp_size=tp)
+        try:
+            if tp == 2:
+                assert eng.runner.kv_pool.num_kv_heads == 1 and eng.runner.num_heads == 2
+            runner = eng.runner
+            row, slots = runner.req_to_token_pool.alloc(), runner.allocator.alloc_slots(0, 5, None)
+            runner.req_to_token_pool.write(row, 0, slots)
+            logits = runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [row], [0], [prompts[0]], slots))[0]
+            runner.allocator.free_slots(slots)
+            runner.req_to_token_pool.free(row)
+            got[tp] = ([o.token_ids for o in eng.generate(prompts, sp)], logits)
+            eng.check_invariants(expect_idle=True)
+        finally:
+            eng.close()
+    assert got[2][0] == got[1][0]
+    torch.testing.assert_close(got[2][1], got[1][1], atol=1e-5, rtol=1e-5)
