@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -22,7 +23,8 @@ def start_tp(config: EngineConfig, group: TPGroup | None, loaded) -> tuple[TPGro
     """(group, this rank's shard, (model, HF dir)). ``group`` None: this is rank 0, start the others.
 
     Raises InvalidRequestError(field="tp") before any process starts when the model's heads cannot
-    be split, or when ``loaded`` weights are passed (a shard is loaded per rank, never shared);
+    be split, when ``loaded`` weights are passed (a shard is loaded per rank, never shared), or
+    when this process already runs a TP engine (one ``torch.distributed`` group per process);
     TPRankDied / RuntimeError when the group does not form within ``config.tp_timeout_s``.
     """
     if loaded is not None:
@@ -34,6 +36,9 @@ def start_tp(config: EngineConfig, group: TPGroup | None, loaded) -> tuple[TPGro
         raise InvalidRequestError("tp", f"{config.tp_size} ranks from {dev} need GPUs up to "
                                         f"cuda:{(dev.index or 0) + config.tp_size - 1}; "
                                         f"this host has {torch.cuda.device_count()}")
+    if group is None and dist.is_initialized():
+        raise InvalidRequestError("tp", "this process already runs a tensor-parallel engine (its "
+                                        "torch.distributed group); close() it before starting another")
     if group is None:
         group = TPGroup.launch(json.loads(config.to_json()), config.tp_size, config.device, config.tp_timeout_s)
     shard = plan_shard(cfg, group.rank, group.size)

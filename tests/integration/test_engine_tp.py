@@ -8,7 +8,7 @@ even one.
   within fp32 tolerance of the reference's; each rank's pool holds only its kv heads;
 * a split that cannot work (TP=4) is refused naming ``tp`` before any process starts;
 * a tiny random model with one kv head (replicated on both ranks), q/k/v bias, q/k norms and a
-  vocabulary 2 does not divide: TP=2 equals TP=1;
+  vocabulary 2 does not divide: TP=2 equals TP=1; a second TP engine in the process is refused;
 * a follower SIGKILLed mid-generation: the forward raises TPRankDied within seconds and the other
   follower is gone too; rank 0 (``halfmoon generate --offline --tp 2``) SIGKILLed: its follower exits
   within seconds.
@@ -125,6 +125,7 @@ def test_follower_sigkilled_mid_generation_takes_the_engine_down(engine):
     assert not alive  # the survivor did not hang in a collective
     with pytest.raises(TPRankDied):  # the engine stays down
         engine.generate([[1] * 4], SamplingParams(max_tokens=2, temperature=0))
+    engine.close()  # leaves the process group: the next TP engine of this process may start
 
 
 def test_rank0_sigkilled_its_follower_exits(model_dir):
@@ -172,6 +173,10 @@ def test_replicated_kv_heads_bias_qk_norm_and_padded_vocab(tmp_path):
         try:
             if tp == 2:
                 assert eng.runner.kv_pool.num_kv_heads == 1 and eng.runner.num_heads == 2
+                before = _children()
+                with pytest.raises(InvalidRequestError, match="already runs a tensor-parallel engine"):
+                    Engine(str(tmp_path), load_format="dummy", num_pages=8, max_context=64, tp_size=2)
+                assert _children() <= before  # refused before any process started
             runner = eng.runner
             row, slots = runner.req_to_token_pool.alloc(), runner.allocator.alloc_slots(0, 5, None)
             runner.req_to_token_pool.write(row, 0, slots)
