@@ -3,7 +3,7 @@ torch.distributed (gloo, one torch thread per rank) on the default model, SmolLM
 3 kv heads): TP=2 is the split whose head counts do not divide (uneven kv shards 2 + 1), TP=3 the
 even one.
 
-* greedy tokens of TP=1, 2, 3 equal the transformers reference, in one continuously batched run and
+* greedy tokens of TP=2 and 3 equal the transformers reference (as TP=1's do: test_engine_golden), in one continuously batched run and
   again from the radix cache; KV accounting idle afterwards; the last-token logits of an extend
   within fp32 tolerance of the reference's; each rank's pool holds only its kv heads;
 * a split that cannot work (TP=4) is refused naming ``tp`` before any process starts;
@@ -61,7 +61,8 @@ def reference(model_dir):
     return prompts, tokens, logits
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda tp: f"tp{tp}")
+# TP=1 == transformers is tests/unit/test_engine_golden.py's; here the TP engines meet the same reference
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda tp: f"tp{tp}")
 def engine(request, model_dir):
     eng = Engine(str(model_dir), page_size=PAGE, num_pages=96, max_running_requests=8, max_context=1024,
                  torch_threads=1, tp_size=request.param)
@@ -88,8 +89,8 @@ def test_logits_within_fp32_tolerance_and_pool_holds_own_kv_heads(engine, refere
     prompts, _, want = reference
     runner = engine.runner
     tp = engine.config.tp_size
-    assert runner.kv_pool.num_kv_heads == {1: 3, 2: 2, 3: 1}[tp]  # rank 0's shard of SmolLM2's 3
-    assert len(runner.tp.follower_pids if runner.tp else []) == tp - 1
+    assert runner.kv_pool.num_kv_heads == {2: 2, 3: 1}[tp]  # rank 0's shard of SmolLM2's 3
+    assert len(runner.tp.follower_pids) == tp - 1
     for ids, ref_logits in zip(prompts, want):
         row = runner.req_to_token_pool.alloc()
         slots = runner.allocator.alloc_slots(0, len(ids), None)
