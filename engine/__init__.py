@@ -15,6 +15,8 @@ Files (one concept each):
   models/llama.py        Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2); models/rotary.py
   models/model_loader.py HF safetensors or dummy weights for a named shape
   model_runner.py        ModelRunner: model + pools + allocator + backend; forward(batch) -> logits
+  distributed/           tensor parallelism (EngineConfig.tp_size): shard plan, parallel layers, rank
+                         processes and their group (docs/architecture.md, Tensor parallelism)
   sampling_params.py     SamplingParams.validate(vocab_size, max_context, prompt_len)
   sampler.py             batch sampling (logit_bias, grammar masks, greedy, temperature, top-k/p, min-p,
                          seed, penalties, logprobs)

@@ -145,6 +145,9 @@ class EngineConfig:
     kv_layout: ``"page_major"`` (all layers' K/V of a page contiguous: a page run moves in one
         transfer put) or ``"layer_major"`` (one buffer per layer per K/V); see engine/kvcache/kv_pool.py.
         Prefill and decode workers must use the same one.
+    tp_size: tensor-parallel ranks (``engine.distributed``): this process is rank 0 and starts the
+        others; 1 = no tensor parallelism.
+    tp_timeout_s: bound on every tensor-parallel collective and on forming the group (seconds).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -167,6 +170,18 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default max_running_requests)
     fused_ops: bool = True  # fused qkv/gate_up GEMMs + flashinfer norm/rope/silu (CUDA bf16/fp16 only)
     kv_layout: str = "page_major"  # KV pool memory layout: "page_major" | "layer_major" (engine/kvcache/kv_pool.py)
+    tp_size: int = 1  # tensor-parallel ranks (engine/distributed/)
+    tp_timeout_s: float = 30.0
+
+    def to_json(self) -> str:
+        """This config as JSON (the dtype by name), for ``from_json`` in another process."""
+        d = dataclasses.asdict(self)
+        d["dtype"] = str(self.torch_dtype).removeprefix("torch.")
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineConfig":
+        return cls(**json.loads(text))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -241,6 +241,10 @@ class Engine:
                     left.discard(out.request_id)
         return [acc[r] for r in rids]
 
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks of this engine, if any (``EngineConfig.tp_size > 1``)."""
+        self.runner.close()
+
     # ------------------------------------------------------------------ accounting
     def kv_stats(self) -> KVStats:
         """Pages free / evictable / protected (radix) / owned (running requests), rows and slots in use."""

@@ -59,6 +59,14 @@ def non_negative_float(value: str) -> float:
     return x
 
 
+def positive_float(value: str) -> float:
+    """argparse type: a finite float > 0 (argparse names the flag in the error)."""
+    x = non_negative_float(value)
+    if x == 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not > 0")
+    return x
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = parser.add_argument_group("engine")
@@ -86,6 +94,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=d.attention_backend)
     g.add_argument("--kv-layout", default=d.kv_layout, choices=KV_LAYOUTS,
                    help="KV pool layout: page_major (a page run is one transfer put) | layer_major")
+    g.add_argument("--tp", type=int_at_least(1), default=d.tp_size,
+                   help="tensor-parallel ranks: this process is rank 0 and starts the others (gloo on "
+                        "CPU, NCCL on CUDA: rank r on the device's index + r); the KV budget is per rank")
+    g.add_argument("--tp-timeout", type=positive_float, default=d.tp_timeout_s,
+                   help="seconds any tensor-parallel collective (and forming the group) may take")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -100,4 +113,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size, max_retractions=args.max_retractions,
         disable_radix_cache=args.disable_radix_cache,
         torch_threads=args.torch_threads, workers_on_host=args.workers_on_host,
-        attention_backend=args.attention_backend, kv_layout=args.kv_layout)
+        attention_backend=args.attention_backend, kv_layout=args.kv_layout, tp_size=args.tp,
+        tp_timeout_s=args.tp_timeout)

@@ -17,6 +17,7 @@ the same way::
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,36 +30,62 @@ from engine.models.llama import LlamaForCausalLM
 from engine.kvcache.page_allocator import PageAllocator
 from engine.kvcache.req_to_token_pool import ReqToTokenPool
 
+if TYPE_CHECKING:
+    from engine.distributed.group import TPGroup
+
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: tuple[LlamaForCausalLM, Path | None] | None = None):
+    def __init__(self, config: EngineConfig, loaded: tuple[LlamaForCausalLM, Path | None] | None = None,
+                 tp: "TPGroup | None" = None):
         """Load the model (or reuse ``loaded = (model, hf_dir)`` from another runner, e.g. to build
-        pools of another page size over the same weights) and allocate the pools."""
+        pools of another page size over the same weights) and allocate the pools.
+
+        With ``config.tp_size > 1`` this runner is rank 0 of a tensor-parallel group: it starts the
+        other ranks, and holds (as each of them) only its shard of the model and of the KV pool's kv
+        heads (``engine.distributed``). ``tp`` is given by a follower rank only.
+        Raises InvalidRequestError(field="tp") when the model's heads cannot be split over ``tp_size``.
+        """
         config.apply_threads()
         self.config = config
-        self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        self.model, self.model_path = loaded or load_model(config.model, config.load_format, self.dtype,
-                                                           self.device, config.seed)
+        # --- tensor parallelism (engine/distributed/): this rank's shard, or None for TP=1
+        self.tp = tp
+        self.tp_shard = None
+        if config.tp_size > 1:
+            from engine.distributed.runner_setup import start_tp
+
+            self.tp, self.tp_shard, (self.model, self.model_path) = start_tp(config, tp, loaded)
+            self.device = self.tp.device
+        else:
+            self.device = torch.device(config.device)
+            self.model, self.model_path = loaded or load_model(config.model, config.load_format, self.dtype,
+                                                               self.device, config.seed)
         mc = self.model_config = self.model.config
+        # this rank's heads (all of them without TP)
+        self.num_heads = self.tp_shard.num_q_heads if self.tp_shard else mc.num_heads
+        self.num_kv_heads = self.tp_shard.num_kv_heads if self.tp_shard else mc.num_kv_heads
         self.page_size = config.page_size
         self.max_context = config.max_context or mc.max_position_embeddings
         num_pages = config.num_pages or pages_for_budget(
-            config.kv_memory, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+            config.kv_memory, config.page_size, mc.num_layers, self.num_kv_heads, mc.head_dim,
             self.dtype, self.device)
+        if self.tp is not None:  # every rank's pool has the same pages (the budget is per rank)
+            num_pages = self.tp.min_int(num_pages)
         backend_name = resolve_backend_name(config.attention_backend, self.device, self.dtype)
-        use_graphs = config.cuda_graph and backend_name == "flashinfer"
+        # TP: no CUDA graphs yet (the batch broadcast precedes each replay on every rank: not wired)
+        use_graphs = config.cuda_graph and backend_name == "flashinfer" and self.tp is None
         # CUDA graphs pad decode batches with entries that write into a scratch page no request owns:
         # the pool has one page more than the allocator hands out.
         self.scratch_page = num_pages if use_graphs else None
-        self.kv_pool = KVPool(num_pages + int(use_graphs), config.page_size, mc.num_layers, mc.num_kv_heads,
+        self.kv_pool = KVPool(num_pages + int(use_graphs), config.page_size, mc.num_layers, self.num_kv_heads,
                               mc.head_dim, self.dtype, self.device, layout=config.kv_layout)
         self.allocator = PageAllocator(num_pages, config.page_size, self.device)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context, self.device)
         self.backend = create_backend(backend_name, kv_pool=self.kv_pool,
-                                      req_to_token_pool=self.req_to_token_pool, num_heads=mc.num_heads,
-                                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
-        if config.fused_ops and self.model._fused is None:
+                                      req_to_token_pool=self.req_to_token_pool, num_heads=self.num_heads,
+                                      num_kv_heads=self.num_kv_heads, head_dim=mc.head_dim)
+        # TP: fused ops would bypass the row-parallel all-reduces
+        if config.fused_ops and self.model._fused is None and self.tp is None:
             from engine.fused_ops import enable_fused_ops, fused_ops_supported
 
             if fused_ops_supported(self.model):
@@ -82,4 +109,12 @@ class ModelRunner:
         """
         if logit_index is None and self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
+        if self.tp is not None:  # rank 0: the followers run the same batch (raises TPRankDied)
+            return self.tp.run(lambda: self.model(batch, self.backend, logit_index), batch, logit_index,
+                               self.req_to_token_pool.req_to_token)
         return self.model(batch, self.backend, logit_index)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (nothing to do without TP). Idempotent."""
+        if self.tp is not None:
+            self.tp.close()

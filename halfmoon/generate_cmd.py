@@ -51,8 +51,10 @@ def sampling_params_from_args(args: argparse.Namespace):
 def run_offline(args: argparse.Namespace) -> int:
     from engine.engine import Engine
     from engine.engine_args import engine_config_from_args
+    from engine.distributed.group import TPRankDied
     from engine.errors import InvalidRequestError, ResourceExhaustedError
 
+    eng = None
     try:
         eng = Engine(config=engine_config_from_args(args))
         prompt = (eng.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
@@ -65,6 +67,12 @@ def run_offline(args: argparse.Namespace) -> int:
     except (InvalidRequestError, ResourceExhaustedError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
+    except TPRankDied as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if eng is not None:
+            eng.close()
     sys.stdout.write("\n")
     print(f"[{last.finish_reason}; prompt {last.prompt_tokens} tokens, completion "
           f"{last.completion_tokens} tokens]", file=sys.stderr)

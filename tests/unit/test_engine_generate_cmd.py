@@ -72,3 +72,18 @@ def test_max_retractions_flag(capsys):
     with pytest.raises(SystemExit) as e:
         parser.parse_args(["--max-retractions", "-1"])
     assert e.value.code == 2 and "argument --max-retractions: -1 is negative" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [(["--tp", "0"], "argument --tp: expected >= 1, got 0"),
+                                          (["--tp-timeout", "0"], "argument --tp-timeout: '0' is not > 0")])
+def test_tp_flags(capsys, argv, message):
+    """``--tp`` / ``--tp-timeout`` reach EngineConfig (tensor parallelism); out-of-range values are
+    argparse errors naming the flag."""
+    parser = argparse.ArgumentParser(prog="halfmoon generate")
+    add_engine_arguments(parser)
+    cfg = engine_config_from_args(parser.parse_args(["--tp", "3", "--tp-timeout", "12.5"]))
+    assert (cfg.tp_size, cfg.tp_timeout_s) == (3, 12.5)
+    assert engine_config_from_args(parser.parse_args([])).tp_size == 1
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,67 @@
+"""A :class:`~engine.forward_batch.ForwardBatch` as one int64 tensor, for rank 0 to broadcast to
+the other tensor-parallel ranks.
+
+Rank 0's scheduler writes ``req_to_token`` outside the forward, so the message also carries each
+request's row ``[0, seq_len)``: a follower writes those rows into its own table before the forward
+and its attention reads the same slots (its KV pool has the same pages, with its kv heads).
+
+Layout (int64)::
+
+    [mode, B, T, L] rows[B] seq_lens[B] prefix_lens[B] extend_lens[B]
+    input_ids[T] positions[T] out_cache_loc[T] logit_index[L] row_slots[sum(seq_lens)]
+
+``L = -1`` means no ``logit_index`` (each request's last token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.forward_batch import ForwardBatch, ForwardMode
+
+HEADER = 4
+_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE)
+
+
+def pack_batch(batch: ForwardBatch, logit_index: torch.Tensor | None, req_to_token: torch.Tensor) -> torch.Tensor:
+    """The message for ``batch`` (int64 [N] on ``req_to_token``'s device)."""
+    dev = req_to_token.device
+    seq_cpu, _ = batch.host_lens()
+    rows = batch.req_pool_indices.to(dev)
+    slots = [req_to_token[r, :s] for r, s in zip(rows.tolist(), seq_cpu.tolist())]
+    L = -1 if logit_index is None else logit_index.numel()
+    head = torch.tensor([_MODES.index(batch.mode), batch.batch_size, batch.input_ids.numel(), L],
+                        dtype=torch.int64, device=dev)
+    parts = [head, rows, batch.seq_lens, batch.prefix_lens, batch.extend_lens, batch.input_ids,
+             batch.positions, batch.out_cache_loc]
+    if logit_index is not None:
+        parts.append(logit_index)
+    return torch.cat([p.to(dev, torch.int64).reshape(-1) for p in parts + slots])
+
+
+def unpack_batch(msg: torch.Tensor, req_to_token: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor | None]:
+    """(batch, logit_index) of a message; writes the carried rows into ``req_to_token``.
+
+    Raises ValueError for a message whose lengths do not add up (a bug on rank 0, never input).
+    """
+    mode, B, T, L = msg[:HEADER].tolist()
+    off = HEADER
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal off
+        part = msg[off: off + n]
+        off += n
+        return part
+
+    rows, seq, pre, ext = take(B), take(B), take(B), take(B)
+    ids, pos, loc = take(T), take(T), take(T)
+    logit_index = take(L) if L >= 0 else None
+    seq_cpu = seq.cpu()
+    for r, s in zip(rows.tolist(), seq_cpu.tolist()):
+        req_to_token[r, :s] = take(s)
+    if off != msg.numel():
+        raise ValueError(f"batch message of {msg.numel()} int64s, expected {off}")
+    batch = ForwardBatch(mode=_MODES[mode], input_ids=ids, positions=pos, req_pool_indices=rows, seq_lens=seq,
+                         prefix_lens=pre, extend_lens=ext, out_cache_loc=loc, seq_lens_cpu=seq_cpu,
+                         extend_lens_cpu=ext.cpu())
+    return batch, logit_index
