@@ -125,7 +125,9 @@ async def setup(tok, modes: dict[str, str], text="Hello there", **dispatcher_kw)
 
 
 async def teardown(d, servers):
-    await asyncio.sleep(0.1)  # background Abort calls land
+    # the background Abort calls land (a fixed sleep lost this race on a loaded machine)
+    if d._background:
+        await asyncio.wait(set(d._background), timeout=10)
     await d.pool.close()
     for s in servers:
         await s.stop(None)
