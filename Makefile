@@ -30,8 +30,11 @@ protos: install
 	$(BIN)/python -m protos.generate
 
 # pytest exit 5 (no tests collected) is a failure, never a silent pass.
+# Two pytest workers (a module's tests stay on one, so its stack is shared): the real-process tests
+# are CPU-bound at one torch thread per process, and one worker left the second core half idle.
+TEST_WORKERS ?= 2
 test: install tools model
-	$(BIN)/python -m pytest tests; rc=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 test-slow: install tools model
