@@ -3,7 +3,8 @@
 ``Generate`` validates the request (INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED when it
 can never fit, both before anything is allocated), hands it to the scheduler thread and streams
 what the scheduler puts on the request's queue. A cancelled stream (router/client gone) aborts the
-request; every chunk is one token (the first carries P's token).
+request. The first chunk carries P's token; a chunk carries every token produced since the
+stream's last write (one while it keeps up; ``decode_svc.streams``).
 
 Keepalive: until the first token, while the request waits in D (admission queue, KV wait, batch
 slot), an empty ``DecodeChunk`` goes out every ``queue_keepalive_s`` seconds, so the router can tell
@@ -14,12 +15,12 @@ None is ever sent after the first token.
 from __future__ import annotations
 
 import logging
-import queue
 
 import grpc
 
 from decode_svc.jobs import DecodeJob, JobState
 from decode_svc.scheduler import DecodeScheduler
+from decode_svc.streams import StreamEnd, stream_chunks
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
 from pd_common.protocol import ServiceError, validate_request
@@ -33,11 +34,12 @@ _QUEUED = frozenset({JobState.PREALLOC, JobState.TRANSFER, JobState.WAITING, Job
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    """Args: queue_keepalive_s: seconds between empty chunks before the first token (0 = none)."""
+    """Args: queue_keepalive_s: seconds between empty chunks before the first token (0 = none);
+    coalesce: a stream sends the tokens waiting on its queue in one chunk (``decode_svc.streams``)."""
 
     def __init__(self, scheduler: DecodeScheduler, worker_id: str, *, vocab_size: int,
                  max_context: int, tokenizer=None, queue_keepalive_s: float = 10.0,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, coalesce: bool = True):
         self.sched = scheduler
         self.grammars = grammars
         self.worker_id = worker_id
@@ -45,6 +47,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.max_context = max_context
         self.tokenizer = tokenizer
         self.queue_keepalive_s = queue_keepalive_s
+        self.coalesce = coalesce
 
     def Generate(self, request, context):
         try:
@@ -71,20 +74,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                                params.skip_special_tokens)
         self.sched.submit(job)
         context.add_callback(lambda: job.finish_reason or self.sched.abort_job(job, "decode stream cancelled"))
-        sent = False
-        while True:
-            try:
-                item = job.out.get(timeout=self.queue_keepalive_s if self.queue_keepalive_s and not sent else None)
-            except queue.Empty:
-                if job.state in _QUEUED:  # read off the scheduler thread; still before the first token either way
-                    yield decode_pb2.DecodeChunk()
-                continue
-            if item is None:
-                return
-            if isinstance(item, ServiceError):
-                context.abort(item.code, str(item))
-            sent = True
-            yield item
+        try:
+            yield from stream_chunks(job.out, keepalive_s=self.queue_keepalive_s,
+                                     queued=lambda: job.state in _QUEUED, coalesce=self.coalesce)
+        except StreamEnd as e:
+            context.abort(e.error.code, str(e.error))
 
     def Abort(self, request, context):
         found = self.sched.abort(int(request.room), request.request_id, request.reason or "abort RPC")
