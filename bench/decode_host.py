@@ -1,11 +1,12 @@
 """Decode host cost benchmark: D's host work per running request per step, streams coalesced or not.
 
-    PYTHONPATH=. python -m bench.decode_host [--batches 32,128,256] [--max-tokens 48] \
+    PYTHONPATH=. python -m bench.decode_host [--batches 32,128,256] [--max-tokens 48] [--model tiny|real] \
         [--output bench/results/decode_host_cpu.json]
 
 For each ``--stream-coalesce`` mode (off: one DecodeChunk per token, the old path; on: a stream that
 fell behind sends the tokens it has in one chunk, ``decode_svc.streams``) one ``halfmoon up`` stack
-(1P1D, ``--max-running-requests`` = the largest batch) serves, for each batch size B, B concurrent
+(1P1D, ``--max-running-requests`` = the largest batch; both up at once, the modes alternating per
+batch size) serves, for each batch size B, B concurrent
 greedy ``ignore_eos`` requests of short distinct prompts and ``--max-tokens`` outputs through the
 router's gRPC ``Generate`` (one asyncio client). From D's ``/metrics`` over each run:
 ``halfmoon_decode_step_seconds_total{part=host|device}`` and ``halfmoon_decode_step_requests_total``
@@ -18,13 +19,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.decode_memory import UpStack, _metric
+from bench.decode_memory import MODEL, UpStack, _metric
 from bench.request import BenchRequest
 from bench.router_target import RouterTarget
 from bench.stats import distribution
@@ -80,12 +83,41 @@ def run_batch(stack: UpStack, b: int, max_tokens: int) -> dict:
             "itl_ms_per_token": distribution(itl, 1000)}
 
 
-def bench_mode(coalesce: str, batches: list[int], max_tokens: int, tmp: Path) -> dict:
-    top = max(batches)
-    args = f"--stream-coalesce {coalesce} --max-running-requests {top}"
-    extra = [f"--prefill-args=--max-running-requests {top}"]
-    with UpStack(args, extra, tmp / f"coalesce-{coalesce}") as st:
-        return {str(b): run_batch(st, b, max_tokens) for b in batches}
+def tiny_model(tmp: Path) -> Path:
+    """A directory with the default model's tokenizer and a 2-layer, 64-wide config of its
+    architecture (vocabulary kept), for ``--load-format dummy``: the host path per token is the
+    same as the real model's, the forward a small part of the step even on a shared CPU."""
+    from engine.model_store import resolve_model
+
+    src = Path(resolve_model(MODEL))
+    dst = tmp / "tiny-model"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, dst / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=32)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _stack(coalesce: str, top: int, tmp: Path, model: list[str]) -> UpStack:
+    return UpStack(f"--stream-coalesce {coalesce} --max-running-requests {top}",
+                   [f"--prefill-args=--max-running-requests {top}", *model], tmp / f"coalesce-{coalesce}")
+
+
+def bench(modes: list[str], batches: list[int], max_tokens: int, tmp: Path, model: list[str]) -> dict:
+    """Both stacks up at once, the modes alternating per batch size, so that the load of a
+    shared machine drifts over both alike."""
+    res = {m: {} for m in modes}
+    with contextlib.ExitStack() as ex:
+        stacks = {m: ex.enter_context(_stack(m, max(batches), tmp, model)) for m in modes}
+        for b in batches:
+            for m in modes:
+                res[m][str(b)] = r = run_batch(stacks[m], b, max_tokens)
+                print(json.dumps({m: {k: v for k, v in r.items() if k != "itl_ms_per_token"}}), flush=True)
+    return res
 
 
 def _table(res: dict, batches: list[int]) -> str:
@@ -107,16 +139,16 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="32,128,256", help="comma list of concurrent requests")
     p.add_argument("--max-tokens", type=int, default=48, help="output tokens per request (ignore_eos)")
     p.add_argument("--modes", default="off,on", help="--stream-coalesce modes, in order")
+    p.add_argument("--model", default="tiny", choices=["tiny", "real"],
+                   help=f"tiny: a 2-layer 64-wide {MODEL} with dummy weights (host cost, fast); real: {MODEL}")
     p.add_argument("--output", default="", help="JSON path (default: bench/results/decode_host_<time>.json)")
     args = p.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="hm-decode-host-"))
-    res = {"config": {"batches": batches, "max_tokens": args.max_tokens, "device": "cpu",
-                      "model": "smollm2-135m-instruct", "torch_threads": 1}}
-    for mode in args.modes.split(","):
-        res[mode] = bench_mode(mode, batches, args.max_tokens, tmp)
-        print(json.dumps({mode: {b: {k: v for k, v in r.items() if k != "itl_ms_per_token"}
-                                 for b, r in res[mode].items()}}), flush=True)
+    model = ["--model", str(tiny_model(tmp)), "--load-format", "dummy"] if args.model == "tiny" else []
+    res = {"config": {"batches": batches, "max_tokens": args.max_tokens, "device": "cpu", "torch_threads": 1,
+                      "model": f"{MODEL} (2 layers, hidden 64, dummy weights)" if args.model == "tiny" else MODEL}}
+    res.update(bench(args.modes.split(","), batches, args.max_tokens, tmp, model))
     if "on" in res and "off" in res:
         print(_table(res, batches))
     out = Path(args.output or Path(__file__).parent / "results" / f"decode_host_{time.strftime('%Y%m%dT%H%M%S')}.json")
