@@ -21,6 +21,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -141,13 +143,23 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="off,on", help="--stream-coalesce modes, in order")
     p.add_argument("--model", default="tiny", choices=["tiny", "real"],
                    help=f"tiny: a 2-layer 64-wide {MODEL} with dummy weights (host cost, fast); real: {MODEL}")
+    p.add_argument("--model-dir", default="", help="instead: dummy weights of this config + tokenizer dir "
+                   "(e.g. the 8B shape on a GPU)")
+    p.add_argument("--up-args", default="", help="more `halfmoon up` flags, one string (e.g. \"--dtype bfloat16 "
+                   "--prefill-device cuda:0 --decode-device cuda:0\")")
     p.add_argument("--output", default="", help="JSON path (default: bench/results/decode_host_<time>.json)")
     args = p.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="hm-decode-host-"))
-    model = ["--model", str(tiny_model(tmp)), "--load-format", "dummy"] if args.model == "tiny" else []
-    res = {"config": {"batches": batches, "max_tokens": args.max_tokens, "device": "cpu", "torch_threads": 1,
-                      "model": f"{MODEL} (2 layers, hidden 64, dummy weights)" if args.model == "tiny" else MODEL}}
+    if args.model_dir:
+        model, name = ["--model", args.model_dir, "--load-format", "dummy"], f"{args.model_dir} (dummy weights)"
+    elif args.model == "tiny":
+        model, name = ["--model", str(tiny_model(tmp)), "--load-format", "dummy"], f"{MODEL} (2 layers, hidden 64, dummy)"
+    else:
+        model, name = [], MODEL
+    model += shlex.split(args.up_args)
+    res = {"config": {"batches": batches, "max_tokens": args.max_tokens, "model": name, "up_args": args.up_args,
+                      "torch_threads": 1, "load_average": os.getloadavg()}}
     res.update(bench(args.modes.split(","), batches, args.max_tokens, tmp, model))
     if "on" in res and "off" in res:
         print(_table(res, batches))
