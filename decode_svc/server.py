@@ -23,9 +23,9 @@ from decode_svc.scheduler import DecodeScheduler
 from decode_svc.streams import StreamEnd, stream_chunks
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
-from pd_common.protocol import ServiceError, validate_request
+from pd_common.protocol import validate_request
 from pd_common.tokenizer import grammar_state
-from protos import common_pb2, decode_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_pb2_grpc
 
 log = logging.getLogger("halfmoon.decode")
 
