@@ -5,6 +5,11 @@ radix cache), ``kv_wait`` (P's notice, commit, KV-wait timeouts, liveness), ``ru
 ``overlap`` (the continuous decode batch) and ``quarantine`` (pages P may still write)), ``jobs``
 (a request and its states), ``messages`` (what the scheduler says to P and hears back), ``prebuilt``
 (the first batch's ``out_cache_loc``), ``peers`` (SetDestination / Abort / liveness toward prefill
-workers, off the scheduler thread), ``server`` (gRPC halfmoon.v1.Decode), ``main``
-(``halfmoon serve-decode``).
+workers, off the scheduler thread), ``server`` (gRPC halfmoon.v1.Decode), ``streams`` (what one
+Generate stream sends: per-token chunks, coalesced when it lags), ``step_clock`` (device vs host
+time per step), ``main`` (``halfmoon serve-decode``).
 """
+
+from decode_svc.streams import StreamEnd, stream_chunks
+
+__all__ = ["StreamEnd", "stream_chunks"]

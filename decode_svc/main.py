@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between empty DecodeChunks on a Generate stream that has sent "
                              "nothing yet while its request waits in D (admission queue, KV wait): the "
                              "router's --first-token-timeout then counts from D's last sign of life; 0 = off")
+    parser.add_argument("--stream-coalesce", default="on", choices=["on", "off"],
+                        help="on: a Generate stream that fell behind the decode steps sends the tokens it "
+                             "has in one DecodeChunk; off: one DecodeChunk per token (the old path, for "
+                             "comparison: bench.decode_host)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     servicer = DecodeServicer(sched, args.worker_id, vocab_size=runner.vocab_size,
                               max_context=runner.max_context, tokenizer=tok,
                               queue_keepalive_s=args.queue_keepalive, grammars=grammar_compiler(runner, tok),
-                              drain=Drain("decode", args.drain_grace_s))
+                              drain=Drain("decode", args.drain_grace_s), coalesce=args.stream_coalesce == "on")
     name = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
     w.start_server(lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s), name)
     w.publish_and_serve()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from decode_svc.jobs import DecodeJob, JobState
+from decode_svc.step_clock import StepClock
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.cache_manager import CacheManager
 from telemetry import metrics as M
@@ -52,11 +53,13 @@ class OverlapSchedule:
     Args:
         runner: D's ModelRunner; kv: D's CacheManager (deferred frees).
         emit: streams one token of a running job (``RunningBatch.emit``); may end that job.
+        clock: times the forward and the wait for its tokens (``decode_svc.step_clock``).
     """
 
     def __init__(self, runner: ModelRunner, kv: CacheManager,
-                 emit: Callable[[DecodeJob, int, object], None]):
+                 emit: Callable[[DecodeJob, int, object], None], clock: StepClock):
         self.runner = runner
+        self.clock = clock
         self.kv = kv
         self._emit = emit
         self._inflight: InFlight | None = None
@@ -115,11 +118,12 @@ class OverlapSchedule:
         if fed:
             idx = torch.tensor(fed, dtype=torch.int64).to(dev, non_blocking=True)
             batch.input_ids[idx[:, 0]] = prev.tokens_dev[idx[:, 1]]
-        logits = self.runner.forward(batch)
-        tokens_dev = logits.argmax(-1)
         on_cuda = dev.type == "cuda"
-        host = torch.empty(len(launch), dtype=torch.int64, pin_memory=on_cuda)
-        host.copy_(tokens_dev, non_blocking=on_cuda)
+        with self.clock.device():
+            logits = self.runner.forward(batch)
+            tokens_dev = logits.argmax(-1)
+            host = torch.empty(len(launch), dtype=torch.int64, pin_memory=on_cuda)
+            host.copy_(tokens_dev, non_blocking=on_cuda)
         copied = None
         if on_cuda:
             copied = torch.cuda.Event()
@@ -132,7 +136,8 @@ class OverlapSchedule:
         """Read a launched step's tokens (waits for that step only) and stream them; then free the
         requests that ended while a step wrote into their slots, once no step in flight does."""
         if step.copied is not None:
-            step.copied.synchronize()
+            with self.clock.device():
+                step.copied.synchronize()
         toks = step.tokens_host.tolist()
         live = [(job, tok) for job, tok in zip(step.jobs, toks) if job.state is JobState.RUNNING]
         M.DECODE_GENERATED_TOKENS.inc(len(live))  # the others were aborted or failed in flight

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from decode_svc.jobs import DecodeJob, JobState
 from decode_svc.memory import DecodeMemory
 from decode_svc.overlap import OverlapSchedule, overlappable
+from decode_svc.step_clock import StepClock
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.cache_manager import CacheManager
 from engine.sampler import sample
@@ -61,7 +62,8 @@ class RunningBatch:
         self.eos = set(eos_token_ids)
         self.max_running = max_running
         self.overlap_schedule = overlap_schedule
-        self.overlap = OverlapSchedule(runner, kv, self.emit)
+        self.clock = StepClock()
+        self.overlap = OverlapSchedule(runner, kv, self.emit, self.clock)
         self.waiting: list[DecodeJob] = []
         self.running: list[DecodeJob] = []
 
@@ -117,6 +119,7 @@ class RunningBatch:
 
     def step(self) -> None:
         """One decode step for every running job (overlapped when the batch allows)."""
+        self.clock.tick(len(self.running))
         self.make_room()
         if self.running:
             self.memory.ratio.step()
@@ -130,9 +133,10 @@ class RunningBatch:
         # one host->device copy, slots gathered on the device: row [prefix | delta | reserved decode slots]
         batch = ForwardBatch.decode([j.lease.row for j in jobs], [j.kv_len for j in jobs],
                                     [j.output_ids[-1] for j in jobs], self.kv.r2t.req_to_token)
-        logits = self.runner.forward(batch)
-        out = sample(logits, [j.params for j in jobs], [j.generator for j in jobs],
-                     [j.prompt_ids for j in jobs], [j.output_ids for j in jobs], [j.grammar for j in jobs])
+        with self.clock.device():
+            logits = self.runner.forward(batch)
+            out = sample(logits, [j.params for j in jobs], [j.generator for j in jobs],
+                         [j.prompt_ids for j in jobs], [j.output_ids for j in jobs], [j.grammar for j in jobs])
         M.DECODE_GENERATED_TOKENS.inc(len(jobs))
         for k, job in enumerate(jobs):
             job.kv_len += 1

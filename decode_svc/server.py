@@ -3,7 +3,8 @@
 ``Generate`` validates the request (INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED when it
 can never fit, both before anything is allocated), hands it to the scheduler thread and streams
 what the scheduler puts on the request's queue. A cancelled stream (router/client gone) aborts the
-request; every chunk is one token (the first carries P's token).
+request. The first chunk carries P's token; a chunk carries every token produced since the
+stream's last write (one while it keeps up; ``decode_svc.streams``).
 
 Keepalive: until the first token, while the request waits in D (admission queue, KV wait, batch
 slot), an empty ``DecodeChunk`` goes out every ``queue_keepalive_s`` seconds, so the router can tell
@@ -17,7 +18,6 @@ ends streams (all, or those that sent nothing yet) with the status the router mi
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from dataclasses import dataclass
 
@@ -25,12 +25,13 @@ import grpc
 
 from decode_svc.jobs import DecodeJob, JobState
 from decode_svc.scheduler import DecodeScheduler
+from decode_svc.streams import StreamEnd, stream_chunks
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
 from pd_common.drain import Drain
-from pd_common.protocol import ServiceError, validate_request
+from pd_common.protocol import validate_request
 from pd_common.tokenizer import grammar_state
-from protos import common_pb2, decode_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_pb2_grpc
 
 log = logging.getLogger("halfmoon.decode")
 
@@ -48,11 +49,13 @@ class _Stream:
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     """Args: queue_keepalive_s: seconds between empty chunks before the first token (0 = none);
-    drain: the worker's drain state (default: never draining)."""
+    drain: the worker's drain state (default: never draining);
+    coalesce: a stream sends the tokens waiting on its queue in one chunk (``decode_svc.streams``)."""
 
     def __init__(self, scheduler: DecodeScheduler, worker_id: str, *, vocab_size: int,
                  max_context: int, tokenizer=None, queue_keepalive_s: float = 10.0,
-                 grammars: GrammarCompiler | None = None, drain: Drain | None = None):
+                 grammars: GrammarCompiler | None = None, drain: Drain | None = None,
+                 coalesce: bool = True):
         self.drain = drain or Drain("decode", 0.0)
         self._streams: set[_Stream] = set()
         self._lock = threading.Lock()
@@ -63,6 +66,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.max_context = max_context
         self.tokenizer = tokenizer
         self.queue_keepalive_s = queue_keepalive_s
+        self.coalesce = coalesce
 
     def Generate(self, request, context):
         self.drain.refuse_new(context)
@@ -115,22 +119,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             self.sched.submit(job)
             context.add_callback(lambda: job.finish_reason or self.sched.abort_job(job, "decode stream cancelled"))
-            while True:
-                try:
-                    item = job.out.get(timeout=self.queue_keepalive_s if self.queue_keepalive_s and not stream.sent
-                                       else None)
-                except queue.Empty:
-                    if job.state in _QUEUED:  # read off the scheduler thread; still before the first token either way
-                        yield decode_pb2.DecodeChunk()
-                    continue
-                if item is None:
-                    return
-                if isinstance(item, ServiceError):
-                    if stream.handed_back:
-                        Drain.hand_back(context, f"decode worker {self.worker_id}")
-                    context.abort(item.code, str(item))
-                stream.sent = True
-                yield item
+            try:
+                for chunk in stream_chunks(job.out, keepalive_s=self.queue_keepalive_s,
+                                           queued=lambda: job.state in _QUEUED, coalesce=self.coalesce):
+                    if chunk.token_ids or chunk.finish_reason:
+                        stream.sent = True
+                    yield chunk
+            except StreamEnd as e:
+                if stream.handed_back:
+                    Drain.hand_back(context, f"decode worker {self.worker_id}")
+                context.abort(e.error.code, str(e.error))
         finally:
             with self._lock:
                 self._streams.discard(stream)

@@ -116,7 +116,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     logits = constrain(logits, params, grammars)
     B = logits.shape[0]
     toks: list[int] = [0] * B
-    plain_greedy = [i for i, p in enumerate(params) if p.greedy and not p.has_penalties]
+    plain = [p.greedy and not p.has_penalties for p in params]  # once per row: host cost per request-step
+    plain_greedy = [i for i, g in enumerate(plain) if g]
     if len(plain_greedy) == B:  # the common decode batch: one argmax, one device->host copy
         toks = logits.argmax(-1).tolist()
     elif plain_greedy:
@@ -124,7 +125,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         for i, t in zip(plain_greedy, am):
             toks[i] = t
     for i, p in enumerate(params):
-        if p.greedy and not p.has_penalties:
+        if plain[i]:
             continue
         probs = processed_probs(logits[i], p, prompt_ids[i], output_ids[i])
         if p.greedy:

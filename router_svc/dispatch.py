@@ -29,6 +29,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -371,8 +372,8 @@ class Dispatcher:
                     # D sends keepalives only before the first token; an empty chunk is never relayed
                     chunk = None
                     continue
-            state.add(chunk)
-            text = detok.extend(chunk.token_ids)
+            token_ids, logprobs, text = _detokenize(detok, chunk)
+            state.add(chunk, token_ids)
             finish = chunk.finish_reason
             matched = chunk.matched_stop
             if detok.stopped:
@@ -384,21 +385,21 @@ class Dispatcher:
                     legs.close(abort=True, reason="stop string matched", background=self._background)
                 else:
                     legs.close(abort=False, reason="", background=self._background)
-            resp = router_pb2.GenerateResponse(token_ids=chunk.token_ids, text=text, logprobs=chunk.logprobs,
+            resp = router_pb2.GenerateResponse(token_ids=token_ids, text=text, logprobs=logprobs,
                                                finish_reason=finish, matched_stop=matched or "", **meta)
             if finish:
                 resp.usage.CopyFrom(state.finish(legs.p_done()))
             now = time.monotonic()
-            if chunk.token_ids:
+            if token_ids:
                 if last_emit is None:
                     M.ROUTER_TTFT.labels(tenant=prep.tenant).observe(now - start)
                 else:
-                    gap = (now - last_emit) / len(chunk.token_ids)
+                    gap = (now - last_emit) / len(token_ids)
                     itl = M.ROUTER_ITL.labels(tenant=prep.tenant)
-                    for _ in chunk.token_ids:
+                    for _ in token_ids:
                         itl.observe(gap)
                 last_emit = now
-                M.ROUTER_COMPLETION_TOKENS.labels(tenant=prep.tenant).inc(len(chunk.token_ids))
+                M.ROUTER_COMPLETION_TOKENS.labels(tenant=prep.tenant).inc(len(token_ids))
             yield resp
             if finish:
                 return
@@ -441,3 +442,15 @@ class Dispatcher:
         except RouterError as e:
             raise RouterError(e.code, f"{what}; migration failed: {e.message}", e.param, e.err_code) from None
         return new, first
+
+
+def _detokenize(detok: IncrementalDetokenizer, chunk: decode_pb2.DecodeChunk) -> tuple[Sequence, Sequence, str]:
+    """(token ids, logprobs, text) of a D chunk, cut after the token that completes a stop string:
+    D sends several tokens in one chunk when its stream lagged, and tokens past a stop string that
+    only the router matched are not the client's."""
+    ids, parts = chunk.token_ids, []
+    for k, t in enumerate(ids):
+        parts.append(detok.add(t))
+        if detok.stopped:
+            return list(ids[:k + 1]), list(chunk.logprobs[:k + 1]), "".join(parts)
+    return ids, chunk.logprobs, "".join(parts)

@@ -22,6 +22,7 @@ new pair would see as prompt).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import grpc
 
@@ -67,10 +68,11 @@ class StreamState:
     def n_tokens(self) -> int:
         return len(self.generated)
 
-    def add(self, chunk: decode_pb2.DecodeChunk) -> None:
+    def add(self, chunk: decode_pb2.DecodeChunk, token_ids: Sequence[int] | None = None) -> None:
         """Count one chunk of the current pair (D sets its accounting fields on the first and the
-        last chunk; the non-zero ones are kept)."""
-        self.generated.extend(chunk.token_ids)
+        last chunk; the non-zero ones are kept); ``token_ids``: the chunk's tokens the client gets
+        (fewer when the router cut it at a stop string), default all of them."""
+        self.generated.extend(chunk.token_ids if token_ids is None else token_ids)
         for f in ("cached_tokens", "decode_prefix_tokens", "kv_pages_transferred", "kv_bytes_transferred"):
             if getattr(chunk, f):
                 setattr(self._leg, f, getattr(chunk, f))

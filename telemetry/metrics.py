@@ -108,6 +108,12 @@ decode (decode_svc)
   - ``halfmoon_decode_finished_token_share`` histogram: per request that ended by itself, generated
     / min(max_tokens, clip): the actual share that ``new_token_ratio`` projects (the ratio learns
     its moving average); projected vs actual usage is this against the ratio gauge.
+  - ``halfmoon_decode_step_seconds_total`` counter {part}: wall seconds of decode steps (a step's
+    start to the next one's, while requests run), part ∈ :data:`STEP_PARTS`: device (inside the
+    forward and sampling calls, or waiting for their tokens) or host (the rest: bookkeeping,
+    streaming, the GIL).
+  - ``halfmoon_decode_step_requests_total`` counter: running requests summed over those steps;
+    ``rate(step_seconds{part="host"}) / rate(step_requests)`` is the host cost per request-step.
 registry (transfer_svc registry service, ``halfmoon serve-transfer``)
   - ``halfmoon_registry_workers`` gauge {role}: live registered workers; role ∈ {prefill, decode}.
   - ``halfmoon_registry_expired_leases_total`` counter: segments dropped because heartbeats stopped.
@@ -138,6 +144,7 @@ disable_created_metrics()
 
 __all__ = [
     "ROLES", "GROUPS_BY_ROLE", "REQUEST_STATUSES", "PREFILL_QUEUES", "DECODE_QUEUES", "LOCAL_PREFILL_REASONS",
+    "STEP_PARTS",
     "RETRACTION_REASONS",
     "KV_PAGE_STATES", "TRANSFER_FAILURE_REASONS", "QUARANTINE_RELEASE_CAUSES", "REGISTRY_LOOKUP_RESULTS", "METRICS_BY_GROUP",
     "build_registry", "start_metrics_server", "stop_metrics_servers",
@@ -151,6 +158,7 @@ MIGRATION_REASONS = ("failure", "drain")
 PREFILL_QUEUES = ("waiting_destination", "prefilling", "transferring")
 DECODE_QUEUES = ("prealloc", "transfer", "waiting", "retracted", "local_prefill")
 LOCAL_PREFILL_REASONS = ("short_tail", "prefill_queue")
+STEP_PARTS = ("device", "host")
 RETRACTION_REASONS = ("newest", "pinned")
 KV_PAGE_STATES = ("free", "evictable", "locked", "owned")
 QUARANTINE_RELEASE_CAUSES = ("notice", "rejected", "process_gone", "new_incarnation", "fence_deadline")
@@ -325,6 +333,14 @@ DECODE_PROJECTED_PAGES = Gauge(
 DECODE_NEW_TOKEN_RATIO = Gauge(
     "halfmoon_decode_new_token_ratio",
     "Projected share of a request's remaining tokens it will still generate.", registry=_R)
+DECODE_STEP_SECONDS = Counter(
+    "halfmoon_decode_step_seconds_total",
+    "Wall seconds of decode steps (one step's start to the next's), by part: device (forward and "
+    "sampling calls) or host (the rest).", ["part"], registry=_R)
+DECODE_STEP_REQUESTS = Counter(
+    "halfmoon_decode_step_requests_total",
+    "Running requests summed over timed decode steps (host seconds / this = host cost per request-step).",
+    registry=_R)
 DECODE_FINISHED_TOKEN_SHARE = Histogram(
     "halfmoon_decode_finished_token_share",
     "Per decode request that ended by itself: generated / min(max_tokens, projection clip).",
@@ -359,6 +375,8 @@ for _result in REGISTRY_LOOKUP_RESULTS:
     REGISTRY_LOOKUPS.labels(result=_result)
 for _q in PREFILL_QUEUES:
     PREFILL_QUEUE.labels(queue=_q)
+for _part in STEP_PARTS:
+    DECODE_STEP_SECONDS.labels(part=_part)
 for _q in DECODE_QUEUES:
     DECODE_QUEUE.labels(queue=_q)
 for _s in KV_PAGE_STATES:
@@ -392,7 +410,8 @@ METRICS_BY_GROUP: dict[str, tuple] = {
                DECODE_PREFIX_HIT_TOKENS, DECODE_GENERATED_TOKENS, DECODE_EVICTED_PAGES,
                DECODE_KV_CHECKSUM_MISMATCHES, DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES,
                DECODE_RETRACTIONS, DECODE_RESERVE_MISSES, DECODE_RESUME_RECOMPUTED_TOKENS,
-               DECODE_LOCAL_PREFILLS, DECODE_LOCAL_PREFILL_TOKENS, DECODE_PROJECTED_PAGES, DECODE_NEW_TOKEN_RATIO, DECODE_FINISHED_TOKEN_SHARE),
+               DECODE_LOCAL_PREFILLS, DECODE_LOCAL_PREFILL_TOKENS, DECODE_PROJECTED_PAGES, DECODE_NEW_TOKEN_RATIO,
+               DECODE_FINISHED_TOKEN_SHARE, DECODE_STEP_SECONDS, DECODE_STEP_REQUESTS),
     "registry": (REGISTRY_WORKERS, REGISTRY_EXPIRED_LEASES, REGISTRY_LOOKUPS),
 }
 # role of a process -> metric groups it exports (transfer is counted on the sender = prefill).

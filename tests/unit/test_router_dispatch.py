@@ -83,7 +83,10 @@ class ScriptedWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeSer
             while True:
                 await asyncio.sleep(0.05)
                 yield decode_pb2.DecodeChunk(token_ids=self.tokens[1:2])
+        # the rest in one chunk, as a D whose stream lagged sends it (decode_svc.streams)
         yield decode_pb2.DecodeChunk(token_ids=tokens[1:], finish_reason="length",
+                                     logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=-0.5)
+                                               for t in tokens[1:]],
                                      completion_tokens=len(tokens), kv_pages_transferred=1)
 
     async def Abort(self, request, context):
@@ -257,6 +260,23 @@ def test_stop_string_seen_by_router_stops_decode(tok):
     assert out[-1].finish_reason == "stop" and out[-1].matched_stop == stop
     assert stop not in "".join(r.text for r in out)
     assert len(ws["d0"].aborts) == 1   # D was still running: the router aborted it
+
+
+def test_stop_string_inside_a_multi_token_chunk_cuts_tokens_logprobs_and_usage(tok):
+    async def main():
+        d, prep, ws, servers, tokens = await setup(tok, {"p0": "ok", "d0": "ok"})
+        prep.stop = ["how"]   # completed by tokens[2], in the middle of D's second (last) chunk
+        out = await collect(d, prep)
+        await teardown(d, servers)
+        return out, tokens
+
+    out, tokens = run(main())
+    assert tok.hf.decode(tokens[:3]).endswith("how") and not tok.hf.decode(tokens[:2]).endswith("how")
+    assert [t for r in out for t in r.token_ids] == tokens[:3]       # nothing past the stop string
+    assert [lp.token_id for r in out for lp in r.logprobs] == tokens[1:3]
+    last = out[-1]
+    assert last.finish_reason == "stop" and last.matched_stop == "how"
+    assert last.usage.completion_tokens == 3 and "how" not in "".join(r.text for r in out)
 
 
 def test_pool_health_down_at_once_when_gone_after_three_timeouts_when_slow():
