@@ -145,6 +145,11 @@ class EngineConfig:
     kv_layout: ``"page_major"`` (all layers' K/V of a page contiguous: a page run moves in one
         transfer put) or ``"layer_major"`` (one buffer per layer per K/V); see engine/kvcache/kv_pool.py.
         Prefill and decode workers must use the same one.
+    fused_ops: one GEMM for q/k/v and one for gate/up (``engine/fused_ops.py`` on CUDA bf16/fp16 with
+        flashinfer, ``engine/torch_fused_ops.py`` on every other device and dtype).
+    cpu_linear: ``"packed"`` or ``"torch"`` (``engine/models/cpu_linear.py``): how a float32 CPU
+        model with ``fused_ops`` on runs its GEMMs (other devices and dtypes have no packed path and
+        always run ``F.linear``); any other value is a ValueError naming ``cpu_linear``.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -161,11 +166,12 @@ class EngineConfig:
     disable_radix_cache: bool = False
     torch_threads: int | None = None
     workers_on_host: int = 1
-    attention_backend: str = "auto"  # "auto" (flashinfer on CUDA bf16/fp16, else torch) | "torch" | "flashinfer"
+    attention_backend: str = "auto"  # "auto" (flashinfer on CUDA bf16/fp16, else torch_paged) | "torch" | "torch_paged" | "flashinfer"
     seed: int = 0  # dummy weights
     cuda_graph: bool = True  # capture decode batches in CUDA graphs (CUDA + flashinfer only)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default max_running_requests)
-    fused_ops: bool = True  # fused qkv/gate_up GEMMs + flashinfer norm/rope/silu (CUDA bf16/fp16 only)
+    fused_ops: bool = True  # fused qkv/gate_up GEMMs: flashinfer norm/rope/silu on CUDA bf16/fp16, torch ops elsewhere
+    cpu_linear: str = "packed"  # float32 CPU GEMMs: "packed" (oneDNN weights packed once) | "torch" (F.linear)
     kv_layout: str = "page_major"  # KV pool memory layout: "page_major" | "layer_major" (engine/kvcache/kv_pool.py)
 
     @property

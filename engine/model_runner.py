@@ -24,6 +24,7 @@ from engine.attention import create_backend, resolve_backend_name
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.kv_pool import KVPool, pages_for_budget
+from engine.models.cpu_linear import CpuLinear
 from engine.models.model_loader import load_model
 from engine.models.llama import LlamaForCausalLM
 from engine.kvcache.page_allocator import PageAllocator
@@ -34,6 +35,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: tuple[LlamaForCausalLM, Path | None] | None = None):
         """Load the model (or reuse ``loaded = (model, hf_dir)`` from another runner, e.g. to build
         pools of another page size over the same weights) and allocate the pools."""
+        cpu_linear = CpuLinear.parse(config.cpu_linear)  # before anything is allocated
         config.apply_threads()
         self.config = config
         self.device = torch.device(config.device)
@@ -63,6 +65,10 @@ class ModelRunner:
 
             if fused_ops_supported(self.model):
                 enable_fused_ops(self.model, self.max_context)
+            else:
+                from engine.torch_fused_ops import enable_torch_fused_ops
+
+                enable_torch_fused_ops(self.model, cpu_linear)
         self.graph_runner = None
         if use_graphs:
             from engine.cuda_graph_runner import CudaGraphRunner

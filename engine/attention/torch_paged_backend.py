@@ -1,0 +1,55 @@
+"""The ``torch_paged`` attention backend: the ``torch`` backend with a page-level decode gather.
+
+Decode (one new token per request) reads each request's K/V as whole pages: :meth:`init_forward`
+builds the page table ``[B, Lp]`` once per step (``Lp`` = pages of the longest row; token ``j`` of a
+row sits at offset ``j % page_size`` of page ``req_to_token[row, j - j % page_size] // page_size``,
+docs/architecture.md "KV memory"), shared by every layer; each layer then copies ``B * Lp`` pages
+of K and of V with one ``index_select`` each (contiguous ``page_size * kv_heads * head_dim`` runs)
+instead of the reference backend's token-level ``[page, offset]`` gather. Page-table entries past a
+row's own pages point at page 0 and are masked; the tail of the last page past the longest row is
+sliced off (a view), so SDPA sees the reference's shapes.
+
+The attention itself is the reference backend's masked GQA SDPA on the same values, so the output
+is bit-identical to ``torch`` (tests/unit/test_attention_paged.py). Extend batches run the
+reference path unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.forward_batch import ForwardBatch, ForwardMode
+
+
+class TorchPagedAttentionBackend(TorchAttentionBackend):
+    def init_forward(self, batch: ForwardBatch) -> None:
+        if batch.mode is not ForwardMode.DECODE:
+            return super().init_forward(batch)
+        r2t = self.req_to_token_pool.req_to_token
+        dev = r2t.device
+        ps = self.kv_pool.page_size
+        seq_host, _ = batch.host_lens()
+        n_pages = -(-int(seq_host.max()) // ps)
+        seq = batch.seq_lens.to(dev)
+        first = r2t[batch.req_pool_indices.to(dev)[:, None], torch.arange(0, n_pages * ps, ps, device=dev)[None, :]]
+        own = torch.arange(n_pages, device=dev)[None, :] < ((seq + ps - 1) // ps)[:, None]  # [B, Lp]
+        self._pages = torch.where(own, first // ps, 0).reshape(-1)  # [B * Lp]
+        self._shape = (batch.batch_size, n_pages * ps, self.kv_pool.num_kv_heads, self.head_dim)
+        # attend over L = the longest row, as the reference does (same lengths: same summation order)
+        self._len = int(seq_host.max())
+        ar = torch.arange(self._len, device=dev)
+        self._mask = (ar[None, :] < seq[:, None])[:, None, None, :]  # [B, 1, 1, L]
+
+    def forward(self, q, k, v, layer, batch):
+        if batch.mode is not ForwardMode.DECODE:
+            return super().forward(q, k, v, layer, batch)
+        pool = self.kv_pool
+        pool.write(layer, batch.out_cache_loc, k, v)
+        L = self._len
+        kk = pool.k_pages(layer).index_select(0, self._pages).view(self._shape)[:, :L].transpose(1, 2).to(q.dtype)
+        vv = pool.v_pages(layer).index_select(0, self._pages).view(self._shape)[:, :L].transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=self._mask,
+                                             scale=self.scale, enable_gqa=True)  # [B, H, 1, D]
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
