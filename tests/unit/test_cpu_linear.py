@@ -111,3 +111,16 @@ def test_fusion_keeps_parameter_names_and_ties(runners):
     assert fused.model.lm_head.weight is fused.model.model.embed_tokens.weight  # SmolLM2 ties them
     for a, b in zip(plain.model.state_dict().values(), fused.model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_cpu_linear_flag_reaches_the_config_and_bad_values_exit():
+    import argparse
+
+    from engine.engine_args import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(["--cpu-linear", "torch"])).cpu_linear == "torch"
+    assert engine_config_from_args(parser.parse_args([])).cpu_linear == "packed"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cpu-linear", "mkl"])
