@@ -9,9 +9,10 @@ instead of the reference backend's token-level ``[page, offset]`` gather. Page-t
 row's own pages point at page 0 and are masked; the tail of the last page past the longest row is
 sliced off (a view), so SDPA sees the reference's shapes.
 
-The attention itself is the reference backend's masked GQA SDPA on the same values, so the output
-is bit-identical to ``torch`` (tests/unit/test_attention_paged.py). Extend batches run the
-reference path unchanged.
+Extend requests with a cached prefix read their row ``[0, seq_len)`` the same way (whole pages,
+then the first ``seq_len`` tokens). The attention itself is the reference backend's masked GQA
+SDPA on the same values and shapes, so the output is bit-identical to ``torch``
+(tests/unit/test_attention_paged.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from engine.forward_batch import ForwardBatch, ForwardMode
 class TorchPagedAttentionBackend(TorchAttentionBackend):
     def init_forward(self, batch: ForwardBatch) -> None:
         if batch.mode is not ForwardMode.DECODE:
-            return super().init_forward(batch)
+            super().init_forward(batch)
+            ps = self.kv_pool.page_size
+            self._reqs = [(s, e, None if slots is None else (slots[::ps] // ps, slots.numel()), mask)
+                          for s, e, slots, mask in self._reqs]
+            return
         r2t = self.req_to_token_pool.req_to_token
         dev = r2t.device
         ps = self.kv_pool.page_size
@@ -41,6 +46,12 @@ class TorchPagedAttentionBackend(TorchAttentionBackend):
         self._len = int(seq_host.max())
         ar = torch.arange(self._len, device=dev)
         self._mask = (ar[None, :] < seq[:, None])[:, None, None, :]  # [B, 1, 1, L]
+
+    def _prefix_kv(self, layer, key):
+        pages, n = key  # the row's pages int64 [ceil(n / page_size)], its length in tokens
+        shape = (-1, self.kv_pool.num_kv_heads, self.head_dim)
+        return (self.kv_pool.k_pages(layer).index_select(0, pages).view(shape)[:n],
+                self.kv_pool.v_pages(layer).index_select(0, pages).view(shape)[:n])
 
     def forward(self, q, k, v, layer, batch):
         if batch.mode is not ForwardMode.DECODE:

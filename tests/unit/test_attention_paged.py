@@ -1,7 +1,7 @@
 """The ``torch_paged`` backend's page-level decode gather is bit-identical to the reference ``torch``
 backend: ragged rows (1 token, a page minus one, exactly a page, a page plus one, many pages) on
-shuffled pages, stale slots past each row's end, both pool layouts; extend batches take the
-reference path. ``auto`` picks it on CPU."""
+shuffled pages, stale slots past each row's end, both pool layouts; extend over a cached prefix reads the
+reference values and shapes. ``auto`` picks it on CPU."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_paged_decode_page_table_built_once_per_step():
     assert backend._pages.tolist() == want  # whole pages, [B * Lp], padding at page 0
 
 
-def test_paged_extend_is_the_reference_path():
+def test_paged_extend_over_a_prefix_bit_identical_to_reference():
     pool, r2t, rows, kw, g = _setup("page_major")
     row, n = rows[-1], LENS[-1]
     pre = 2 * PS
@@ -82,6 +82,8 @@ def test_paged_extend_is_the_reference_path():
         backend = create_backend(name, **kw)
         backend.init_forward(batch)
         outs.append(backend.forward(q, k, v, 0, batch))
+    pages, n = backend._reqs[0][2]  # the paged backend keeps whole pages of the row, not slots
+    assert n == LENS[-1] + 1 and pages.tolist() == (r2t.req_to_token[row, :n:PS] // PS).tolist()
     assert torch.equal(outs[0], outs[1])
 
 
