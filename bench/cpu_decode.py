@@ -15,7 +15,9 @@ paged       + the ``torch_paged`` page-level decode gather (= the default config
 For each batch B and context C: B rows of C tokens already in the pool, then ``--steps`` decode
 steps that re-feed position C (the context stays C). Each repetition runs every variant once, the
 order rotating, so load from other processes on the shared box hits all alike; figures are
-medians over repetitions of the per-step mean.
+medians over repetitions of the per-step mean, as wall time (``step_ms``) and as this thread's CPU
+time (``cpu_ms``, ``time.thread_time``: with one torch thread the whole step runs on it, so it
+leaves out the time other processes held the core; memory-bandwidth contention still shows).
 
 Floor: the bytes one step must read (every GEMM weight incl. ``lm_head``, plus the K/V of B * C
 tokens) over the machine's copy bandwidth, measured here as ``2 * bytes / time`` of a 256 MiB
@@ -103,6 +105,7 @@ def measure(runners: dict, batch: int, ctx: int, steps: int, repeats: int) -> di
     setups = {n: Setup(r, batch, ctx, seed=batch * 1000 + ctx) for n, r in runners.items()}
     names = list(runners)
     per = {n: [] for n in names}
+    cpu = {n: [] for n in names}
     toks = {n: None for n in names}
     try:
         for n in names:  # warm-up (first-call allocations, oneDNN primitive creation)
@@ -110,14 +113,16 @@ def measure(runners: dict, batch: int, ctx: int, steps: int, repeats: int) -> di
         for rep in range(repeats):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for n in order:
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.thread_time()
                 for _ in range(steps):
                     setups[n].step()
                 per[n].append((time.perf_counter() - t) / steps)
+                cpu[n].append((time.thread_time() - c) / steps)
     finally:
         for s in setups.values():
             s.close()
     return dict(step_s={n: statistics.median(v) for n, v in per.items()},
+                cpu_s={n: statistics.median(v) for n, v in cpu.items()},
                 tokens_equal=all(toks[n] == toks[names[0]] for n in names))
 
 
@@ -158,14 +163,15 @@ def main(argv=None) -> int:
             m = measure(runners, b, c, args.steps, args.repeats)
             kv = b * c * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * r0.kv_pool.k_buffers[0].element_size()
             floor = {t: (wbytes + kv) / bw[t] for t in bw}
-            base = m["step_s"][names[0]]
+            base, cbase = m["step_s"][names[0]], m["cpu_s"][names[0]]
             for n in names:
-                s = m["step_s"][n]
-                results.append(dict(variant=n, batch=b, ctx=c, step_ms=round(s * 1e3, 2),
-                                    speedup_vs_first=round(base / s, 3),
+                s, cs = m["step_s"][n], m["cpu_s"][n]
+                results.append(dict(variant=n, batch=b, ctx=c, step_ms=round(s * 1e3, 2), cpu_ms=round(cs * 1e3, 2),
+                                    speedup_vs_first=round(base / s, 3), cpu_speedup_vs_first=round(cbase / cs, 3),
                                     x_floor_1t=round(s / floor[1], 2), x_floor_2t=round(s / floor[2], 2),
                                     tokens_equal=m["tokens_equal"]))
-                print(f"B={b} ctx={c} {n:9} {s * 1e3:8.2f} ms  x{base / s:.2f}  floor-1t x{s / floor[1]:.2f}",
+                print(f"B={b} ctx={c} {n:9} {s * 1e3:8.2f} ms (cpu {cs * 1e3:.2f})  x{base / s:.2f} (cpu x{cbase / cs:.2f})"
+                      f"  floor-1t x{s / floor[1]:.2f}",
                       file=sys.stderr, flush=True)
     out = dict(bench="cpu_decode", model=args.model, threads=args.threads, torch=torch.__version__,
                cpus=os.cpu_count(), steps=args.steps, repeats=args.repeats,
@@ -178,10 +184,11 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    print(f"{'B':>3} {'ctx':>5} {'variant':9} {'step ms':>8} {'speedup':>8} {'x floor 1t':>10} {'x floor 2t':>10} tokens=",
-          file=sys.stderr)
+    print(f"{'B':>3} {'ctx':>5} {'variant':9} {'step ms':>8} {'cpu ms':>8} {'speedup':>8} {'cpu spd':>8} "
+          f"{'x floor 1t':>10} {'x floor 2t':>10} tokens=", file=sys.stderr)
     for r in results:
-        print(f"{r['batch']:>3} {r['ctx']:>5} {r['variant']:9} {r['step_ms']:>8} {r['speedup_vs_first']:>8} "
+        print(f"{r['batch']:>3} {r['ctx']:>5} {r['variant']:9} {r['step_ms']:>8} {r['cpu_ms']:>8} "
+              f"{r['speedup_vs_first']:>8} {r['cpu_speedup_vs_first']:>8} "
               f"{r['x_floor_1t']:>10} {r['x_floor_2t']:>10} {r['tokens_equal']}", file=sys.stderr)
     print(f"copy bandwidth GB/s {out['copy_bandwidth_gb_s']}; load average before {load_before}, "
           f"after {out['load_avg_after']}", file=sys.stderr)
