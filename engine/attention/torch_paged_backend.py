@@ -5,7 +5,9 @@ builds the page table ``[B, Lp]`` once per step (``Lp`` = pages of the longest r
 row sits at offset ``j % page_size`` of page ``req_to_token[row, j - j % page_size] // page_size``,
 docs/architecture.md "KV memory"), shared by every layer; each layer then copies ``B * Lp`` pages
 of K and of V with one ``index_select`` each (contiguous ``page_size * kv_heads * head_dim`` runs)
-instead of the reference backend's token-level ``[page, offset]`` gather. Page-table entries past a
+instead of the reference backend's token-level ``[page, offset]`` gather, into two page buffers
+that every layer reuses (grow-only, sized by the largest step so far: a 5 MB allocation per layer
+per step otherwise goes to ``mmap`` and page faults whenever glibc's threshold sits below it). Page-table entries past a
 row's own pages point at page 0 and are masked; the tail of the last page past the longest row is
 sliced off (a view), so SDPA sees the reference's shapes.
 
@@ -25,6 +27,10 @@ from engine.forward_batch import ForwardBatch, ForwardMode
 
 
 class TorchPagedAttentionBackend(TorchAttentionBackend):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._gather = None  # (K, V) page buffers [pages, page_size, kv_heads, head_dim], reused by every layer
+
     def init_forward(self, batch: ForwardBatch) -> None:
         if batch.mode is not ForwardMode.DECODE:
             super().init_forward(batch)
@@ -41,6 +47,10 @@ class TorchPagedAttentionBackend(TorchAttentionBackend):
         first = r2t[batch.req_pool_indices.to(dev)[:, None], torch.arange(0, n_pages * ps, ps, device=dev)[None, :]]
         own = torch.arange(n_pages, device=dev)[None, :] < ((seq + ps - 1) // ps)[:, None]  # [B, Lp]
         self._pages = torch.where(own, first // ps, 0).reshape(-1)  # [B * Lp]
+        n = self._pages.numel()
+        if self._gather is None or self._gather[0].shape[0] < n:  # grow-only: no allocation per layer
+            page = self.kv_pool.k_pages(0).shape[1:]
+            self._gather = tuple(torch.empty((n,) + page, dtype=self.kv_pool.dtype, device=dev) for _ in range(2))
         self._shape = (batch.batch_size, n_pages * ps, self.kv_pool.num_kv_heads, self.head_dim)
         # attend over L = the longest row, as the reference does (same lengths: same summation order)
         self._len = int(seq_host.max())
@@ -58,9 +68,12 @@ class TorchPagedAttentionBackend(TorchAttentionBackend):
             return super().forward(q, k, v, layer, batch)
         pool = self.kv_pool
         pool.write(layer, batch.out_cache_loc, k, v)
-        L = self._len
-        kk = pool.k_pages(layer).index_select(0, self._pages).view(self._shape)[:, :L].transpose(1, 2).to(q.dtype)
-        vv = pool.v_pages(layer).index_select(0, self._pages).view(self._shape)[:, :L].transpose(1, 2).to(q.dtype)
+        L, n = self._len, self._pages.numel()
+        kb, vb = self._gather[0][:n], self._gather[1][:n]
+        torch.index_select(pool.k_pages(layer), 0, self._pages, out=kb)
+        torch.index_select(pool.v_pages(layer), 0, self._pages, out=vb)
+        kk = kb.view(self._shape)[:, :L].transpose(1, 2).to(q.dtype)
+        vv = vb.view(self._shape)[:, :L].transpose(1, 2).to(q.dtype)
         out = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=self._mask,
                                              scale=self.scale, enable_gqa=True)  # [B, H, 1, D]
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
