@@ -28,6 +28,8 @@ Files (one concept each):
   engine_args.py         command-line flags -> EngineConfig (shared by CLIs and workers)
   device.py              --device values (cpu | cuda | cuda:N), one-line error for an unusable CUDA device
   attention/flashinfer_backend.py, fused_ops.py, cuda_graph_runner.py   GPU path
+  torch_fused_ops.py, models/cpu_linear.py, attention/torch_paged_backend.py   CPU path (fused
+                         q/k/v + gate/up, oneDNN-packed weights, page-level decode gather)
   model_store.py         local model cache (names -> HF directories)
 
 Seams the PD services use: ``ModelRunner`` (drive it directly with ``ForwardBatch.build`` and an

@@ -148,6 +148,11 @@ class EngineConfig:
     tp_size: tensor-parallel ranks (``engine.distributed``): this process is rank 0 and starts the
         others; 1 = no tensor parallelism.
     tp_timeout_s: bound on every tensor-parallel collective and on forming the group (seconds).
+    fused_ops: one GEMM for q/k/v and one for gate/up (``engine/fused_ops.py`` on CUDA bf16/fp16 with
+        flashinfer, ``engine/torch_fused_ops.py`` on every other device and dtype).
+    cpu_linear: ``"packed"`` or ``"torch"`` (``engine/models/cpu_linear.py``): how a float32 CPU
+        model with ``fused_ops`` on runs its GEMMs (other devices and dtypes have no packed path and
+        always run ``F.linear``); any other value is a ValueError naming ``cpu_linear``.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -164,11 +169,12 @@ class EngineConfig:
     disable_radix_cache: bool = False
     torch_threads: int | None = None
     workers_on_host: int = 1
-    attention_backend: str = "auto"  # "auto" (flashinfer on CUDA bf16/fp16, else torch) | "torch" | "flashinfer"
+    attention_backend: str = "auto"  # "auto" (flashinfer on CUDA bf16/fp16, else torch_paged) | "torch" | "torch_paged" | "flashinfer"
     seed: int = 0  # dummy weights
     cuda_graph: bool = True  # capture decode batches in CUDA graphs (CUDA + flashinfer only)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default max_running_requests)
-    fused_ops: bool = True  # fused qkv/gate_up GEMMs + flashinfer norm/rope/silu (CUDA bf16/fp16 only)
+    fused_ops: bool = True  # fused qkv/gate_up GEMMs: flashinfer norm/rope/silu on CUDA bf16/fp16, torch ops elsewhere
+    cpu_linear: str = "packed"  # float32 CPU GEMMs: "packed" (oneDNN weights packed once) | "torch" (F.linear)
     kv_layout: str = "page_major"  # KV pool memory layout: "page_major" | "layer_major" (engine/kvcache/kv_pool.py)
     tp_size: int = 1  # tensor-parallel ranks (engine/distributed/)
     tp_timeout_s: float = 30.0

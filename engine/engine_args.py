@@ -10,6 +10,7 @@ import math
 from engine.config import EngineConfig
 from engine.device import check_device, device_spec
 from engine.kvcache.kv_pool import KV_LAYOUTS
+from engine.models.cpu_linear import CpuLinear
 
 
 class _Replaced(argparse.Action):
@@ -92,6 +93,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (default: 1 when --workers-on-host > 1, else torch's)")
     g.add_argument("--workers-on-host", type=int, default=1, help="engine processes sharing this machine")
     g.add_argument("--attention-backend", default=d.attention_backend)
+    g.add_argument("--cpu-linear", default=d.cpu_linear, choices=[m.value for m in CpuLinear],
+                   help="float32 CPU GEMMs: packed (oneDNN weights packed once) | torch (F.linear)")
     g.add_argument("--kv-layout", default=d.kv_layout, choices=KV_LAYOUTS,
                    help="KV pool layout: page_major (a page run is one transfer put) | layer_major")
     g.add_argument("--tp", type=int_at_least(1), default=d.tp_size,
@@ -114,4 +117,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         disable_radix_cache=args.disable_radix_cache,
         torch_threads=args.torch_threads, workers_on_host=args.workers_on_host,
         attention_backend=args.attention_backend, kv_layout=args.kv_layout, tp_size=args.tp,
-        tp_timeout_s=args.tp_timeout)
+        tp_timeout_s=args.tp_timeout, cpu_linear=args.cpu_linear)

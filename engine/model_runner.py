@@ -25,6 +25,7 @@ from engine.attention import create_backend, resolve_backend_name
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.kv_pool import KVPool, pages_for_budget
+from engine.models.cpu_linear import CpuLinear
 from engine.models.model_loader import load_model
 from engine.models.llama import LlamaForCausalLM
 from engine.kvcache.page_allocator import PageAllocator
@@ -45,6 +46,7 @@ class ModelRunner:
         heads (``engine.distributed``). ``tp`` is given by a follower rank only.
         Raises InvalidRequestError(field="tp") when the model's heads cannot be split over ``tp_size``.
         """
+        cpu_linear = CpuLinear.parse(config.cpu_linear)  # before anything is allocated
         config.apply_threads()
         self.config = config
         self.dtype = config.torch_dtype
@@ -90,6 +92,10 @@ class ModelRunner:
 
             if fused_ops_supported(self.model):
                 enable_fused_ops(self.model, self.max_context)
+            else:
+                from engine.torch_fused_ops import enable_torch_fused_ops
+
+                enable_torch_fused_ops(self.model, cpu_linear)
         self.graph_runner = None
         if use_graphs:
             from engine.cuda_graph_runner import CudaGraphRunner

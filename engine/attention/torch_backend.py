@@ -55,9 +55,14 @@ class TorchAttentionBackend(AttentionBackend):
                 kk, vv = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                kk, vv = pool.read(layer, slots)  # [S, kvh, D]
+                kk, vv = self._prefix_kv(layer, slots)  # [S, kvh, D]
                 kk, vv = kk.transpose(0, 1)[None].to(q.dtype), vv.transpose(0, 1)[None].to(q.dtype)  # [1, kvh, S, D]
                 o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None], scale=self.scale,
                                                    enable_gqa=True)
             outs.append(o[0].transpose(0, 1).reshape(e - s, H * D))
         return torch.cat(outs, 0)
+
+    def _prefix_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[S, kvh, D]`` of one extend request's whole row (``slots`` int64 [S], what
+        :meth:`init_forward` stored for it)."""
+        return self.kv_pool.read(layer, slots)

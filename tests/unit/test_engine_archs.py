@@ -32,9 +32,15 @@ CASES = {
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+# (fused_ops, cpu_linear, attention_backend): the reference path, and the CPU default (fused q/k/v and
+# gate/up with packed weights, the paged decode gather)
+PATHS = {"reference": (False, "torch", "torch"), "cpu-default": (True, "packed", "torch_paged")}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_arch_matches_transformers(name, device, tmp_path):
+def test_arch_matches_transformers(name, device, path, tmp_path):
     cfg_cls, model_cls, extra = CASES[name]
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**{**BASE, **extra})
@@ -51,8 +57,10 @@ def test_arch_matches_transformers(name, device, tmp_path):
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     ref.save_pretrained(tmp_path)
     ref = ref.to(device)
+    fused, cpu_linear, backend = PATHS[path]
     runner = ModelRunner(EngineConfig(model=str(tmp_path), page_size=4, num_pages=64, device=device,
-                                      attention_backend="torch", max_running_requests=2, max_context=128))
+                                      attention_backend=backend, fused_ops=fused, cpu_linear=cpu_linear,
+                                      max_running_requests=2, max_context=128))
     assert runner.model_config.arch == {"llama3": "llama", "smollm-tied": "llama"}.get(name, name)
     ids = torch.randint(0, 97, (70,)).tolist()  # positions past original_max_position_embeddings
     with torch.no_grad():

@@ -80,13 +80,13 @@ def test_graph_page_ids_match_page_table():
     assert gr.indices[n:n + b - B].tolist() == [int(r2t.req_to_token[0, 0]) // ps] * (b - B)
 
 
-def test_auto_backend_is_torch_on_cpu_and_fp32():
-    assert resolve_backend_name("auto", torch.device("cpu"), torch.bfloat16) == "torch"
-    assert resolve_backend_name("auto", torch.device("cuda"), torch.float32) == "torch"
+def test_auto_backend_is_torch_paged_on_cpu_and_fp32():
+    assert resolve_backend_name("auto", torch.device("cpu"), torch.bfloat16) == "torch_paged"
+    assert resolve_backend_name("auto", torch.device("cuda"), torch.float32) == "torch_paged"
     pool = KVPool(4, 4, 1, 2, 8, torch.float32, "cpu")
     b = create_backend("auto", kv_pool=pool, req_to_token_pool=ReqToTokenPool(2, 16), num_heads=2,
                        num_kv_heads=2, head_dim=8)
-    assert type(b).__name__ == "TorchAttentionBackend"
+    assert type(b).__name__ == "TorchPagedAttentionBackend"
     with pytest.raises(ValueError, match="flashinfer needs a CUDA"):
         create_backend("flashinfer", kv_pool=pool, req_to_token_pool=ReqToTokenPool(2, 16), num_heads=2,
                        num_kv_heads=2, head_dim=8)

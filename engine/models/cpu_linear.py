@@ -1,0 +1,114 @@
+"""How a float32 ``nn.Linear`` runs on the CPU: plain ``F.linear`` or oneDNN with weights packed once.
+
+``F.linear`` hands the row-major weight to MKL's ``sgemm``, which copies the weight panel into its
+blocked layout inside every call (the largest single cost of a CPU decode step in the profile of
+issue 22). :class:`PackedLinear` reorders the weight once, at load, into oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU freezing uses) and calls
+``torch.ops.mkldnn._linear_pointwise`` on it; one packed copy serves every batch size. Rows ``M`` at
+or below ``gemv_rows`` (decode at batch 1) still go to ``F.linear`` on the original weight: a
+matrix-vector product has no panel to re-pack and MKL's gemv is as fast as the packed GEMM there.
+
+Numerics: the packed GEMM sums in another order than MKL (float32 results differ in the last bits,
+~4e-6 relative); greedy tokens stay equal to transformers' on the golden prompts
+(tests/unit/test_engine_golden.py runs with packing on).
+
+Memory: the packed copy is held next to the original weight (the model's parameters keep their
+names and tensors; tied embeddings stay tied), so packing costs one more copy of the linear weights.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class CpuLinear(enum.Enum):
+    """``EngineConfig.cpu_linear``: ``torch`` (``F.linear`` everywhere) or ``packed`` (oneDNN packed
+    weights for M > 1 rows, ``F.linear`` for one row)."""
+
+    TORCH = "torch"
+    PACKED = "packed"
+
+    @classmethod
+    def parse(cls, value: "str | CpuLinear") -> "CpuLinear":
+        """Raises ValueError naming ``cpu_linear`` for anything but the enum's values."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"cpu_linear: must be one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+def packed_linear_supported(weight: torch.Tensor) -> bool:
+    """True for a float32 CPU weight with oneDNN available (the packed path covers only that)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ weight.T + bias`` with ``weight`` [N, K] packed once (oneDNN blocked layout).
+
+    ``weight`` / ``bias`` are the original parameters (same objects, so state-dict names and weight
+    ties are unchanged). Input [..., K] float32 CPU; output [..., N].
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 1):
+        super().__init__()
+        if not packed_linear_supported(weight):
+            raise ValueError("cpu_linear: packed weights need a float32 CPU weight and oneDNN")
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = bias
+        self.gemv_rows = gemv_rows
+        self.out_features, self.in_features = weight.shape
+        with torch.no_grad():
+            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8),
+                                 persistent=False)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, gemv_rows: int = 1) -> "PackedLinear":
+        return cls(lin.weight, lin.bias, gemv_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows <= self.gemv_rows:
+            return F.linear(x, self.weight, self.bias)
+        shape = x.shape
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, self.in_features), self.packed, self.bias,
+                                               "none", [], "")
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, gemv_rows={self.gemv_rows}"
+
+
+def fused_linear(linears: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` computing ``cat([l(x) for l in linears], -1)``: the weights concatenated along
+    the output dim, each original ``weight`` (and ``bias``) re-pointed at its rows of the fused
+    tensor (a view: no extra memory, names unchanged). All must share ``in_features`` and all or
+    none have a bias."""
+    with torch.no_grad():
+        w = torch.cat([lin.weight.data for lin in linears], 0)
+        has_bias = linears[0].bias is not None
+        b = torch.cat([lin.bias.data for lin in linears], 0) if has_bias else None
+        out = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device="meta")
+        out.weight = nn.Parameter(w, requires_grad=False)
+        out.bias = nn.Parameter(b, requires_grad=False) if has_bias else None
+        off = 0
+        for lin in linears:
+            n = lin.weight.shape[0]
+            lin.weight.data = w[off:off + n]
+            if has_bias:
+                lin.bias.data = b[off:off + n]
+            off += n
+    return out
+
+
+def pack_linear(lin: nn.Module, impl: CpuLinear) -> nn.Module:
+    """``lin`` as ``impl`` runs it: itself for TORCH or an unsupported weight, else a PackedLinear."""
+    if impl is CpuLinear.PACKED and isinstance(lin, nn.Linear) and packed_linear_supported(lin.weight):
+        return PackedLinear.from_linear(lin)
+    return lin

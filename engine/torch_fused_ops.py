@@ -1,0 +1,91 @@
+"""Fused projections for the Llama-family forward on any device without flashinfer (CPU, fp32).
+
+:func:`enable_torch_fused_ops` rewires a loaded :class:`~engine.models.llama.LlamaForCausalLM` in
+place, the torch counterpart of :mod:`engine.fused_ops`:
+
+* q/k/v run as one GEMM and gate/up as one (121 GEMMs per step instead of 211 for 30 layers): the
+  fused weights are new tensors whose row blocks the original ``*_proj.weight`` parameters become
+  views of (same names, no extra memory);
+* on a float32 CPU model with ``cpu_linear=packed``, every GEMM (the fused ones, ``o_proj``,
+  ``down_proj``, ``lm_head``) runs on weights packed once (:mod:`engine.models.cpu_linear`);
+* cos/sin of RoPE are computed once per forward and shared by all layers.
+
+Norms, RoPE, SiLU·mul and the residual adds are the torch path's own ops in the same order
+(HF's LlamaDecoderLayer), so only the GEMM summation order can differ from the unfused forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.cpu_linear import CpuLinear, fused_linear, pack_linear
+from engine.models.rotary import apply_rotary
+
+
+class TorchFusedOps:
+    """What the model's modules call when torch fused ops are enabled (module docstring).
+
+    Attributes:
+        qkv, gate_up: per layer, the fused projection module (``nn.Linear`` or ``PackedLinear``).
+        cpu_linear: the :class:`CpuLinear` the GEMMs run with.
+    """
+
+    def __init__(self, qkv: list, gate_up: list, cpu_linear: CpuLinear):
+        self.qkv, self.gate_up, self.cpu_linear = qkv, gate_up, cpu_linear
+        self._cos_sin = (None, None)
+
+    def attention(self, attn, x, batch, backend) -> torch.Tensor:
+        """Attention block of one layer: [T, hidden] -> [T, H*D], before ``o_proj``."""
+        T = x.shape[0]
+        H, KVH, D = attn.h, attn.kvh, attn.d
+        q, k, v = self.qkv[attn.layer](x).split([H * D, KVH * D, KVH * D], dim=-1)
+        q, k, v = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = self._cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return backend.forward(q, k, v, attn.layer, batch)
+
+    def mlp(self, mlp, x) -> torch.Tensor:
+        gate, up = self.gate_up[mlp.layer](x).chunk(2, dim=-1)
+        return mlp.down_proj(F.silu(gate) * up)
+
+    def decoder_layers(self, model, x: torch.Tensor, batch, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer over the embeddings ``x`` [T, hidden] -> ``(h, residual)`` whose sum is
+        the last layer's output (h = the last MLP output, residual = its input stream)."""
+        self._cos_sin = model.rotary.cos_sin(batch.positions, x.dtype)
+        h = None
+        for layer in model.layers:
+            if h is not None:
+                x = x + h
+            x = x + layer.self_attn(layer.input_layernorm(x), None, None, batch, backend)
+            h = layer.mlp(layer.post_attention_layernorm(x))
+        self._cos_sin = (None, None)
+        return h, x
+
+
+def enable_torch_fused_ops(model, cpu_linear: str | CpuLinear = CpuLinear.PACKED) -> TorchFusedOps:
+    """Rewire ``model`` (in place) to fused q/k/v and gate/up GEMMs, packed on a float32 CPU model
+    when ``cpu_linear`` is ``packed``; returns the :class:`TorchFusedOps` it uses.
+
+    Raises ValueError naming ``cpu_linear`` for an unknown value, or when the model already runs
+    fused ops.
+    """
+    impl = CpuLinear.parse(cpu_linear)
+    if model._fused is not None:
+        raise ValueError("fused ops are already enabled on this model")
+    qkv, gate_up = [], []
+    for i, layer in enumerate(model.model.layers):
+        a, m = layer.self_attn, layer.mlp
+        qkv.append(pack_linear(fused_linear([a.q_proj, a.k_proj, a.v_proj]), impl))
+        gate_up.append(pack_linear(fused_linear([m.gate_proj, m.up_proj]), impl))
+        a.o_proj = pack_linear(a.o_proj, impl)
+        m.down_proj = pack_linear(m.down_proj, impl)
+        m.layer = i  # TorchFusedOps.mlp finds the layer's gate_up by it
+    ops = TorchFusedOps(qkv, gate_up, impl)
+    for layer in model.model.layers:
+        layer.self_attn._fused = layer.mlp._fused = ops
+    model.lm_head = pack_linear(model.lm_head, impl)
+    model._fused = ops
+    return ops

@@ -1,0 +1,126 @@
+"""Packed CPU linears and the torch fused projections: same results as F.linear / the unfused model
+within float32 summation-order tolerance, 121 instead of 211 GEMMs per SmolLM2 decode step, parameter
+names and weight ties unchanged, and an unknown ``cpu_linear`` rejected before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.model_runner import ModelRunner
+from engine.models.cpu_linear import CpuLinear, PackedLinear, fused_linear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
+def test_packed_linear_matches_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    lin = torch.nn.Linear(96, 160, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(160, 96, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(160, generator=g))
+    x = torch.randn(rows, 96, generator=g)
+    p = PackedLinear.from_linear(lin)
+    assert p.weight is lin.weight and p.bias is lin.bias
+    torch.testing.assert_close(p(x), F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(p(x.view(1, rows, 96)), F.linear(x, lin.weight, lin.bias).view(1, rows, 160),
+                               atol=1e-4, rtol=1e-5)  # leading dims kept
+
+
+def test_fused_linear_views_and_output():
+    parts = [torch.nn.Linear(32, n, bias=True) for n in (48, 16, 16)]
+    x = torch.randn(5, 32)
+    want = torch.cat([p(x) for p in parts], -1).detach()
+    fused = fused_linear(parts)
+    torch.testing.assert_close(fused(x), want)
+    w = fused.weight
+    for p, off in zip(parts, (0, 48, 64)):  # the originals are row blocks of the fused tensor
+        assert p.weight.data_ptr() == w.data_ptr() + off * 32 * 4
+        assert p.bias.data_ptr() == fused.bias.data_ptr() + off * 4
+
+
+def test_cpu_linear_parse_names_the_field():
+    assert CpuLinear.parse("packed") is CpuLinear.PACKED
+    with pytest.raises(ValueError, match="cpu_linear"):
+        CpuLinear.parse("mkl")
+
+
+def test_unknown_cpu_linear_rejected_before_loading():
+    with pytest.raises(ValueError, match="cpu_linear"):
+        ModelRunner(EngineConfig(model="/nonexistent/model", cpu_linear="fast"))
+
+
+class _GemmCounter(TorchDispatchMode):
+    GEMMS = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "mkldnn._linear_pointwise.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += str(func) in self.GEMMS
+        return func(*args, **(kwargs or {}))
+
+
+def _decode_step(runner, prompts):
+    """Prefill ``prompts``; returns a function running one decode step of all of them (B rows)."""
+    rows, lens = [], [len(p) for p in prompts]
+    for ids in prompts:
+        row = runner.req_to_token_pool.alloc()
+        slots = runner.allocator.alloc_slots(0, len(ids) + 1, None)
+        runner.req_to_token_pool.write(row, 0, slots)
+        runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [row], [0], [ids], slots[:len(ids)]))
+        rows.append(row)
+    return lambda toks: runner.forward(ForwardBatch.decode(rows, lens, toks, runner.req_to_token_pool.req_to_token))
+
+
+@pytest.fixture(scope="module")
+def runners(model_dir):
+    kw = dict(model=str(model_dir), num_pages=16, max_running_requests=2, max_context=64, torch_threads=1)
+    plain = ModelRunner(EngineConfig(fused_ops=False, cpu_linear="torch", **kw))
+    fused = ModelRunner(EngineConfig(**kw))  # the default: fused projections, packed weights
+    return plain, fused
+
+
+def test_default_cpu_decode_step_runs_121_gemms_and_matches_unfused(runners):
+    plain, fused = runners
+    assert type(fused.model.lm_head) is PackedLinear
+    prompts = [list(range(200, 230)), list(range(900, 917))]  # B=2: the packed oneDNN path
+    steps = [_decode_step(r, prompts) for r in runners]
+    counts, logits = [], []
+    for step in steps:
+        with _GemmCounter() as c:
+            logits.append(step([1234, 4321]))
+        counts.append(c.n)
+    layers = plain.model_config.num_layers
+    assert counts == [7 * layers + 1, 4 * layers + 1]  # 211 and 121 for SmolLM2's 30 layers
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-3, rtol=0)
+    assert logits[1].argmax(-1).tolist() == logits[0].argmax(-1).tolist()
+
+
+def test_fusion_keeps_parameter_names_and_ties(runners):
+    plain, fused = runners
+    assert list(fused.model.state_dict()) == list(plain.model.state_dict())
+    assert fused.model.lm_head.weight is fused.model.model.embed_tokens.weight  # SmolLM2 ties them
+    for a, b in zip(plain.model.state_dict().values(), fused.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_cpu_linear_flag_reaches_the_config_and_bad_values_exit():
+    import argparse
+
+    from engine.engine_args import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(["--cpu-linear", "torch"])).cpu_linear == "torch"
+    assert engine_config_from_args(parser.parse_args([])).cpu_linear == "packed"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cpu-linear", "mkl"])
