@@ -228,7 +228,10 @@ def test_chart_args_parse_with_the_real_cli():
      "cache.volume must hold one volume source, got [hostPath persistentVolumeClaim]"),
     ("decode.drainGraceSeconds=115",
      "decode.terminationGracePeriodSeconds (120) must be at least decode.drainGraceSeconds + 20 (135)"),
-], ids=["variant", "typo", "port", "policy", "two-volumes", "drain-beyond-termination-grace"])
+    ("router.localPrefill.maxTokens=256", "router.localPrefill needs router.policy kv_events"),
+    ("router.policy=joint", "router.policy must be one of the following"),
+], ids=["variant", "typo", "port", "policy", "two-volumes", "drain-beyond-termination-grace",
+        "local-prefill-without-kv-events", "pair-policy"])
 def test_bad_values_are_rejected_with_a_clear_error(bad, message):
     proc = subprocess.run([_helm(), "template", "hm", str(CHART), "--set", bad], capture_output=True,
                           text=True, timeout=60)
@@ -242,3 +245,15 @@ def test_cache_volume_is_one_source():
     assert cache(_render()) == {"name": "cache", "emptyDir": {"sizeLimit": "20Gi"}}
     assert cache(_render("-f", str(GPU_VALUES))) == {
         "name": "cache", "persistentVolumeClaim": {"claimName": "halfmoon-models", "readOnly": False}}
+
+
+def test_router_policy_values_reach_its_args():
+    def router_args(*flags):
+        d = _by(_render(*flags), "Deployment", "hm-halfmoon-router")
+        return d["spec"]["template"]["spec"]["containers"][0]["args"]
+    default = router_args()
+    assert default[default.index("--policy") + 1] == "per_role" and "--local-prefill-max-tokens" not in default
+    assert default[default.index("--migration-limit") + 1] == "3"
+    gpu = router_args("-f", str(GPU_VALUES))
+    assert gpu[gpu.index("--policy") + 1] == "kv_events"
+    assert gpu[gpu.index("--local-prefill-max-tokens") + 1] == "256"
