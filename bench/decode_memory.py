@@ -231,7 +231,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default="", help="JSON result path (default: bench/results/decode_memory_<time>.json)")
     p.add_argument("--workloads", default="chats,natural,pressure", help="comma list: chats, natural, pressure")
+    p.add_argument("--natural-max-tokens", type=int, default=NATURAL_MAX_TOKENS,
+                   help="max_tokens the natural workload's chats advertise (default %(default)s)")
+    p.add_argument("--natural-pages", type=int, default=NATURAL_PAGES,
+                   help="D's pool for the natural workload (default %(default)s: 2 full reservations of the "
+                        "default max_tokens; scale it with --natural-max-tokens)")
     args = p.parse_args(argv)
+    # the workload functions read the module constants: a smaller natural run (e.g. 512 / 72, which a
+    # loaded 2-core box finishes inside the client's 600 s timeout) keeps the pool-to-working-set ratio
+    global NATURAL_MAX_TOKENS, NATURAL_PAGES
+    NATURAL_MAX_TOKENS, NATURAL_PAGES = args.natural_max_tokens, args.natural_pages
     workloads = tuple(args.workloads.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="hm-decode-memory-"))
     res = {"config": {"model": MODEL, "chats": len(CHATS), "pressure_decode_pages": PRESSURE_PAGES,
