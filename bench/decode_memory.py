@@ -228,6 +228,7 @@ def _table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
+    global NATURAL_MAX_TOKENS, NATURAL_PAGES
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default="", help="JSON result path (default: bench/results/decode_memory_<time>.json)")
     p.add_argument("--workloads", default="chats,natural,pressure", help="comma list: chats, natural, pressure")
@@ -239,7 +240,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     # the workload functions read the module constants: a smaller natural run (e.g. 512 / 72, which a
     # loaded 2-core box finishes inside the client's 600 s timeout) keeps the pool-to-working-set ratio
-    global NATURAL_MAX_TOKENS, NATURAL_PAGES
     NATURAL_MAX_TOKENS, NATURAL_PAGES = args.natural_max_tokens, args.natural_pages
     workloads = tuple(args.workloads.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="hm-decode-memory-"))
