@@ -57,6 +57,12 @@ ROWS = [
         ("Stream migrations by reason", "timeseries", "short",
          "Streams moved to another pair per second after their decode worker failed or drained mid-stream.",
          [("sum by (reason) (rate(halfmoon_router_migrations_total[1m]))", "{{reason}}")]),
+        ("Conditional disaggregation", "timeseries", "short",
+         "Per second: attempts the router sent to a decode worker alone (by reason), the local prefills "
+         "decode workers ran, and the prompt tokens they computed.",
+         [("sum by (reason) (rate(halfmoon_router_local_prefills_total[1m]))", "routed {{reason}}"),
+          ("sum(rate(halfmoon_decode_local_prefills_total[1m]))", "decode local prefills"),
+          ("sum(rate(halfmoon_decode_local_prefill_tokens_total[1m]))", "tokens computed on decode")]),
     ]),
     ("Front door", [
         ("Requests per second by tenant", "timeseries", "reqps",
@@ -123,6 +129,14 @@ ROWS = [
          [("max by (instance) (halfmoon_decode_kv_pool_usage_ratio)", "{{instance}}")]),
         ("Decode KV pages by state", "timeseries", "short", "free + evictable + locked + owned = pool size.",
          [("sum by (state) (halfmoon_decode_kv_pool_pages)", "{{state}}")]),
+        ("Decode host work per request-step", "timeseries", "s",
+         "Seconds of the decode loop's host work (not the device forward) per running request per step, "
+         "and the device part, per decode worker: host work that grows with the batch bounds a "
+         "served step.",
+         [("sum by (instance) (rate(halfmoon_decode_step_seconds_total{part=\"host\"}[1m])) / "
+           "sum by (instance) (rate(halfmoon_decode_step_requests_total[1m]))", "host {{instance}}"),
+          ("sum by (instance) (rate(halfmoon_decode_step_seconds_total{part=\"device\"}[1m])) / "
+           "sum by (instance) (rate(halfmoon_decode_step_requests_total[1m]))", "device {{instance}}")]),
         ("Decode retractions", "timeseries", "short",
          "Per second: running requests retracted when the pool could not grow them (by reason), decode "
          "steps that found the pool short (reserve misses), tokens recomputed on resume.",

@@ -117,7 +117,8 @@ def test_workers_register_with_pod_ip_and_grpc_probes():
         assert flags == {"--model": "smollm2-135m-instruct", "--host": "0.0.0.0", "--port": str(port),
                          "--metrics-port": "9400", "--registry": registry, "--advertise-host": "$(POD_IP)",
                          "--worker-id": "$(POD_NAME)", "--device": "cpu", "--transport": "tcp",
-                         "--page-size": "16", "--cluster-token-file": "/etc/halfmoon/cluster-token/token"}
+                         "--page-size": "16", "--cluster-token-file": "/etc/halfmoon/cluster-token/token",
+                         "--drain-grace-s": {"prefill": "40", "decode": "100"}[role]}
         env = {e["name"]: e for e in c["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -134,6 +135,7 @@ def test_workers_register_with_pod_ip_and_grpc_probes():
     assert flags == {"--model": "smollm2-135m-instruct", "--host": "0.0.0.0", "--port": "50051",
                      "--http-port": "8000", "--metrics-port": "9400", "--registry": registry,
                      "--prefill-policy": "cache_aware", "--decode-policy": "cache_aware", "--page-size": "16",
+                     "--policy": "per_role", "--migration-limit": "3",
                      "--cluster-token-file": "/etc/halfmoon/cluster-token/token",
                      "--api-key-file": "/etc/halfmoon/api-keys/api-keys"}
     # NOT_SERVING while no worker pair is healthy must not restart the router: liveness is a TCP check
