@@ -5,6 +5,8 @@ For each attempt (at most ``max_attempts``, default 2 = "retry once"):
 
 1. pick P with the prefill policy and D with the decode policy (avoiding the workers of a failed
    attempt when others are available), mint a random 63-bit ``room`` (``secrets.randbits(63)``);
+   with conditional disaggregation on (``router_svc/local_prefill.py``), a D that holds all but a
+   short tail of the prompt may serve it alone: D's call only (``local_prefill``), no P leg;
 2. call ``D.Generate(DecodeRequest)`` (server stream) and ``P.Prefill(PrefillRequest)`` (unary)
    **concurrently**, as SMG's ``execute_dual_dispatch_internal`` does: D must not wait for P to
    start pre-allocating, nor P for D to start computing;
