@@ -69,7 +69,7 @@ def start_halfmoon(model: str, extra: list[str], tmp: Path, timeout: float = 600
 
 
 def start_vllm(python: str, hf_dir: str, name: str, tmp: Path, timeout: float = 900) -> tuple[subprocess.Popen, str]:
-    """vLLM CPU's OpenAI server as FACTS.md describes it (fp32, 2 OpenMP threads bound to cores 0-1)."""
+    """vLLM CPU's OpenAI server as bench/README.md documents it (fp32, 2 OpenMP threads bound to cores 0-1)."""
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
     proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,

@@ -43,8 +43,8 @@ from protos import decode_pb2, router_pb2
 from router_svc.admission import Admission, Ticket
 from router_svc.api_keys import ANONYMOUS
 from router_svc.errors import RouterError
-from router_svc.legs import LegFailure, Legs, abort_leg, code_of, discard
-from router_svc.local_prefill import LocalLeg, LocalPrefillPolicy
+from router_svc.legs import LegFailure, Legs, LocalLeg, code_of, discard
+from router_svc.local_prefill import LocalPrefillPolicy
 from router_svc.migration import StreamState, migrate_reason
 from router_svc.pair_policy import KVPairPolicy
 from router_svc.policies import NoWorkerError, Policy
@@ -254,7 +254,7 @@ class Dispatcher:
                 handle.status = "rejected"
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy worker: {exc}") from exc
             room, left = secrets.randbits(63), max(0.001, deadline - time.monotonic())
-            legs = handle.legs = LocalLeg(prep, d, room, left, abort_leg) if local else Legs(prep, p, d, room, left)
+            legs = handle.legs = LocalLeg(prep, d, room, left) if local else Legs(prep, p, d, room, left)
             picked = {w.worker_id for w in (p, d) if w is not None}
             try:
                 first = await self._first_chunk(legs, abort_wait, deadline)

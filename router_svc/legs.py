@@ -1,5 +1,6 @@
-"""The two concurrent calls of one PD attempt (docs/architecture.md, A request's path, step 1): D's
-``Generate`` stream and P's ``Prefill``, the failure of either leg, and their cancel + ``Abort``.
+"""The calls of one attempt (docs/architecture.md, A request's path, step 1): D's ``Generate`` stream
+and P's ``Prefill`` concurrently (``Legs``), or D's call alone when D prefills the prompt itself
+(``LocalLeg``); the failure of either leg, and their cancel + ``Abort``.
 """
 
 from __future__ import annotations
@@ -59,11 +60,50 @@ class Legs:
         self.d_call.cancel()
         discard(self.p_task)
         if abort:
-            req = common_pb2.AbortRequest(request_id=self.prep.worker_request_id, room=self.room, reason=reason)
-            for w in (self.d, self.p):
-                t = asyncio.ensure_future(abort_leg(w, req))
-                background.add(t)
-                t.add_done_callback(background.discard)
+            send_aborts(self.prep, self.room, reason, (self.d, self.p), background)
+
+
+class LocalLeg:
+    """One attempt with a decode leg only (``DecodeRequest.local_prefill``, router_svc/local_prefill.py):
+    the interface of :class:`Legs` with ``p`` None and ``p_result`` an empty ``PrefillResult`` (P
+    computed and sent nothing, so usage keeps D's numbers)."""
+
+    def __init__(self, prep: PreparedRequest, d: Worker, room: int, timeout: float | None) -> None:
+        self.prep, self.p, self.d, self.room = prep, None, d, room
+        dreq = decode_pb2.DecodeRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
+                                        sampling=prep.sampling, local_prefill=True)
+        self.d_call = d.stub.Generate(dreq, timeout=timeout)
+        self.p_task: asyncio.Future | None = None
+        self.p_result = prefill_pb2.PrefillResult()
+        d.inflight += 1
+        self.closed = False
+
+    def p_done(self) -> prefill_pb2.PrefillResult:
+        """P's answer: always the empty result (no P leg)."""
+        return self.p_result
+
+    def read(self) -> asyncio.Task:
+        return asyncio.ensure_future(self.d_call.read())
+
+    def close(self, abort: bool, reason: str, background: set) -> None:
+        """Cancel D's call; with ``abort``, also send it Abort(request_id, room)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.d.inflight -= 1
+        self.d_call.cancel()
+        if abort:
+            send_aborts(self.prep, self.room, reason, (self.d,), background)
+
+
+def send_aborts(prep: PreparedRequest, room: int, reason: str, workers, background: set) -> None:
+    """Abort(request_id, room) to each of ``workers`` in the background (tasks kept in ``background``
+    until done)."""
+    req = common_pb2.AbortRequest(request_id=prep.worker_request_id, room=room, reason=reason)
+    for w in workers:
+        t = asyncio.ensure_future(abort_leg(w, req))
+        background.add(t)
+        t.add_done_callback(background.discard)
 
 
 def discard(task: asyncio.Future) -> None:

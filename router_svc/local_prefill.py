@@ -17,14 +17,11 @@ this path (D samples the first token with the same sampler P uses), so no field 
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import Sequence
 
-from protos import common_pb2, decode_pb2, prefill_pb2
 from router_svc.kv_index import KVEventIndex
 from router_svc.prefix_index import page_keys
-from router_svc.validation import PreparedRequest
 from router_svc.worker import Worker
 from telemetry import metrics as M
 
@@ -93,41 +90,3 @@ class LocalPrefillPolicy:
     def _prefill_busy(self, prefills: Sequence[Worker]) -> bool:
         up = [p for p in prefills if p.available]
         return bool(up) and all(p.load_score() >= self.prefill_queue for p in up)
-
-
-class LocalLeg:
-    """One attempt with a decode leg only (``DecodeRequest.local_prefill``): the interface of
-    ``legs.Legs`` with ``p`` None and ``p_result`` an empty ``PrefillResult`` (P computed and
-    sent nothing, so usage keeps D's numbers)."""
-
-    def __init__(self, prep: PreparedRequest, d: Worker, room: int, timeout: float | None,
-                 abort_leg: Callable[[Worker, common_pb2.AbortRequest], Awaitable[None]]) -> None:
-        self.prep, self.p, self.d, self.room = prep, None, d, room
-        self._abort_leg = abort_leg
-        dreq = decode_pb2.DecodeRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
-                                        sampling=prep.sampling, local_prefill=True)
-        self.d_call = d.stub.Generate(dreq, timeout=timeout)
-        self.p_task: asyncio.Future | None = None
-        self.p_result = prefill_pb2.PrefillResult()
-        d.inflight += 1
-        self.closed = False
-
-    def p_done(self) -> prefill_pb2.PrefillResult:
-        """P's answer: always the empty result (no P leg)."""
-        return self.p_result
-
-    def read(self) -> asyncio.Task:
-        return asyncio.ensure_future(self.d_call.read())
-
-    def close(self, abort: bool, reason: str, background: set) -> None:
-        """Cancel D's call; with ``abort``, also send it Abort(request_id, room)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.d.inflight -= 1
-        self.d_call.cancel()
-        if abort:
-            req = common_pb2.AbortRequest(request_id=self.prep.worker_request_id, room=self.room, reason=reason)
-            t = asyncio.ensure_future(self._abort_leg(self.d, req))
-            background.add(t)
-            t.add_done_callback(background.discard)
