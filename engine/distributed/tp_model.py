@@ -23,7 +23,7 @@ from engine.distributed.parallel_linear import (ColumnParallelLinear, ParallelLM
                                                 VocabParallelEmbedding)
 from engine.distributed.shard import TPShard
 from engine.models.llama import LlamaForCausalLM
-from engine.models.model_loader import build_model, init_dummy_weights, resolve_model_config
+from engine.models.model_loader import build_model, checkpoint_slices, init_dummy_weights, resolve_model_config
 from engine.models.rotary import inv_freq
 
 
@@ -111,19 +111,9 @@ def load_tp_model(model_name: str, load_format: str, shard: TPShard, group: dist
                     seen.add(name)
             del full
         else:
-            from safetensors import safe_open
-
-            files = sorted(path.glob("*.safetensors"))
-            if not files:
-                raise RuntimeError(f"no *.safetensors in {path}")
-            for f in files:
-                with safe_open(str(f), framework="pt") as st:
-                    for name in st.keys():
-                        if name not in params:
-                            continue
-                        sl = st.get_slice(name)
-                        _copy_slice(params[name], sl, slices.get(name), sl.get_shape())
-                        seen.add(name)
+            for name, sl in checkpoint_slices(path, params):
+                _copy_slice(params[name], sl, slices.get(name), sl.get_shape())
+                seen.add(name)
     missing = set(params) - seen
     if tied:
         missing.discard("lm_head.weight")

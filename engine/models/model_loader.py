@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -43,26 +44,36 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> L
     return model.eval().requires_grad_(False)
 
 
-def load_hf_weights(model: LlamaForCausalLM, path: Path) -> None:
-    """Copy every tensor of ``path/*.safetensors`` into the parameter of the same name.
+def checkpoint_slices(path: Path, wanted) -> Iterator[tuple[str, object]]:
+    """(name, lazy safetensors slice) of every tensor in ``path/*.safetensors`` whose name is in
+    ``wanted`` (others, e.g. rotary inv_freq saved by old checkpoints, are skipped); ``slice[:]``
+    reads the whole tensor, ``slice[a:b]`` a part of it.
 
-    Raises RuntimeError listing parameters the checkpoint lacks (``lm_head`` may be tied).
+    Raises RuntimeError when ``path`` holds no ``*.safetensors``.
     """
     from safetensors import safe_open
 
-    params = dict(model.named_parameters(remove_duplicate=False))
-    seen = set()
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise RuntimeError(f"no *.safetensors in {path}")
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                if name not in params:
-                    continue  # e.g. rotary inv_freq saved by old checkpoints
-                with torch.no_grad():
-                    params[name].copy_(st.get_tensor(name))
-                seen.add(name)
+                if name in wanted:
+                    yield name, st.get_slice(name)
+
+
+def load_hf_weights(model: LlamaForCausalLM, path: Path) -> None:
+    """Copy every tensor of ``path/*.safetensors`` into the parameter of the same name.
+
+    Raises RuntimeError listing parameters the checkpoint lacks (``lm_head`` may be tied).
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen = set()
+    for name, sl in checkpoint_slices(path, params):
+        with torch.no_grad():
+            params[name].copy_(sl[:])
+        seen.add(name)
     missing = set(params) - seen
     if model.config.tie_word_embeddings:
         missing.discard("lm_head.weight")
