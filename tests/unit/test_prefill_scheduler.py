@@ -355,7 +355,11 @@ def test_failed_batch_is_unavailable_with_an_ok_false_notice(pair):
     assert wait_until(lambda: pd.fabric.held("decode-0") == 1)
     pd.fabric.fail_held("peer reset")
     err = error_of(job)
-    assert err.code is grpc.StatusCode.UNAVAILABLE and "KV transfer failed: peer reset" in str(err)
+    # the failure reaches the job either through the failed batch's status ("KV transfer failed")
+    # or, when P submits its next batch first, through the dropped segment ("KV transfer to decode
+    # failed: ... dropped (peer reset)"); which one wins is thread timing, the outcome is the same
+    assert err.code is grpc.StatusCode.UNAVAILABLE and "peer reset" in str(err), err
+    assert "KV transfer" in str(err) and "failed" in str(err), err
     # the handle was dropped with the batch; P reopens the segment for the ok=false notice
     (notice,) = pd.notices()
     assert not notice.ok and notice.room == room and "peer reset" in notice.error
