@@ -1,0 +1,32 @@
+"""Metrics of the transfer engine (transfer_svc), counted on the sender: the prefill process.
+
+The catalog (names, labels, meaning) is the docstring of :mod:`telemetry.metrics`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from telemetry.label_values import TRANSFER_FAILURE_REASONS
+from telemetry.buckets import TRANSFER_BUCKETS
+
+# Created unregistered (registry=None): telemetry.exposition.build_registry attaches them per
+# process, so a process exports only the groups its role owns.
+_R = None
+
+TRANSFER_PAGES = Counter(
+    "halfmoon_transfer_pages_total", "KV pages written to decode peers (sender side).", registry=_R)
+TRANSFER_BYTES = Counter(
+    "halfmoon_transfer_bytes_total", "KV bytes written to decode peers (sender side).", registry=_R)
+TRANSFER_BATCH_SECONDS = Histogram(
+    "halfmoon_transfer_batch_seconds",
+    "Seconds from submitting one transfer batch to completion of all its writes.",
+    buckets=TRANSFER_BUCKETS, registry=_R)
+TRANSFER_FAILURES = Counter(
+    "halfmoon_transfer_failures_total", "Failed transfer batches by reason (sender side).",
+    ["reason"], registry=_R)
+
+# Known label values are created up front, so their series exist (at 0) from the first scrape:
+# rate() and alerts then work before the first event.
+for _reason in TRANSFER_FAILURE_REASONS:
+    TRANSFER_FAILURES.labels(reason=_reason)
