@@ -10,8 +10,11 @@ Files (one concept each):
                     naming the field, before anything reaches a worker
   errors.py         RouterError (gRPC code, message, param) and its OpenAI/HTTP mapping
   tokenizer.py      HF tokenizer + chat template of the model; context window
-  dispatch.py       Dispatcher: pick P and D, mint the room, concurrent legs, retry once, Abort both legs;
-                    streamed text through engine.detokenizer (UTF-8 safe deltas, stop strings removed)
+  dispatch.py       Dispatcher: a client request's lifecycle (ids per tenant, Abort, admission, counts)
+  attempts.py       Attempts: pick P and D, mint the room, concurrent legs, first chunk, retry once,
+                    Abort both legs
+  relay.py          Relay: D's stream to the client after the first token, through engine.detokenizer
+                    (UTF-8 safe deltas, stop strings removed); migration when D fails mid-stream
   pool.py           WorkerPool: static list or registry WatchWorkers; health checks and GetLoad polling
   worker.py         Worker: router-side state of one worker (stub, health, load)
   policies.py       round_robin, least_load, power_of_two, cache_aware (one per role)

@@ -359,7 +359,7 @@ def test_both_legs_failing_in_one_wait_log_no_unretrieved_task_exception(tok):
         abort_wait = loop.create_future()
         failure = None
         try:
-            await disp._first_chunk(Legs(), abort_wait, time.monotonic() + 5)
+            await disp.attempts.first_chunk(Legs(), abort_wait, time.monotonic() + 5)
         except _LegFailure as e:
             failure = (e.leg, e.code)
         abort_wait.cancel()
