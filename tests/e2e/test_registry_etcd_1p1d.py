@@ -18,7 +18,8 @@ import grpc
 import pytest
 
 from halfmoon.etcd_local import etcd_binary
-from halfmoon.launcher import _WORKER_RE, Proc
+from halfmoon.child_process import Proc
+from halfmoon.stack import _WORKER_RE
 from protos import router_pb2
 from tests.e2e.conftest import greedy, reference_ids, router_stub, running_stack
 from tests.integration.conftest import assert_idle_accounting

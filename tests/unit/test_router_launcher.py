@@ -4,7 +4,8 @@ import argparse
 
 import pytest
 
-from halfmoon.launcher import Stack, StackConfig, add_arguments, config_from_args, threads_per_worker
+from halfmoon.launcher import Stack, StackConfig, add_arguments, config_from_args
+from halfmoon.stack_config import threads_per_worker
 
 
 def test_threads_per_worker():
