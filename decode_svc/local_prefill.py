@@ -30,7 +30,7 @@ import torch
 from decode_svc.jobs import DecodeJob, JobState
 from decode_svc.memory import DecodeMemory
 from decode_svc.page_checksums import PageChecksums
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.extend_chunks import extend_batch, next_chunks
 from engine.kvcache.cache_manager import CacheManager
 from engine.sampler import make_generator, sample
 from pd_common.protocol import token_logprob
@@ -99,21 +99,13 @@ class LocalPrefillQueue:
             if not self._admit(self._queue[0]):
                 break
             self.computing.append(self._queue.popleft())
-        jobs, toks = [], []
-        for job in self.computing:
-            if budget <= 0:
-                break
-            take = min(len(job.prompt_ids) - job.kv_len, budget)
-            jobs.append(job)
-            toks.append(job.prompt_ids[job.kv_len: job.kv_len + take])
-            budget -= take
+        toks = next_chunks([j.prompt_ids for j in self.computing], [j.kv_len for j in self.computing], budget)
+        jobs = self.computing[:len(toks)]
         if not jobs:
             return
         settle()
-        r2t = self.kv.r2t.req_to_token
-        loc = torch.cat([r2t[j.lease.row, j.kv_len: j.kv_len + len(t)] for j, t in zip(jobs, toks)])
-        batch = ForwardBatch.build(ForwardMode.EXTEND, [j.lease.row for j in jobs], [j.kv_len for j in jobs],
-                                   toks, loc, self.runner.device)
+        batch = extend_batch(self.kv.r2t.req_to_token, [j.lease.row for j in jobs], [j.kv_len for j in jobs],
+                             toks, self.runner.device)
         logits = self.runner.forward(batch)
         M.DECODE_LOCAL_PREFILL_TOKENS.inc(sum(len(t) for t in toks))
         done = []

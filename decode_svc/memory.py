@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from decode_svc.jobs import DecodeJob, JobState
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.extend_chunks import extend_batch
 from engine.kvcache.cache_manager import CacheManager
 from engine.scheduler.retraction import MAX_RETRACTIONS, NewTokenRatio, pick_victim
 from telemetry import metrics as M
@@ -213,9 +213,8 @@ class DecodeMemory:
         take = min(n - done, budget)
         if take > 0:
             settle()
-            slots = self.kv.r2t.req_to_token[job.lease.row, done:done + take]
-            batch = ForwardBatch.build(ForwardMode.EXTEND, [job.lease.row], [done],
-                                       [tokens[done:done + take]], slots, self.runner.device)
+            batch = extend_batch(self.kv.r2t.req_to_token, [job.lease.row], [done], [tokens[done:done + take]],
+                                 self.runner.device)
             self.runner.forward(batch)
             done += take
             self.resuming[job] = done

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.extend_chunks import extend_batch, next_chunks
 from engine.sampler import make_generator, sample
 from prefill_svc.jobs import FirstToken, JobState, PrefillJob
 from telemetry import metrics as M
@@ -46,20 +46,13 @@ class ChunkedPrefill:
         """Run one extend batch (nothing when no job is prefilling). Jobs whose prompt is complete
         get ``first`` (and ``rng_state`` when seeded), leave the prefilling list and become
         ``TRANSFERRING`` (a destination is known) or ``WAIT_DEST``."""
-        jobs, toks, budget = [], [], self.chunk_tokens
-        for job in self.prefilling:
-            if budget <= 0:
-                break
-            take = min(len(job.prompt_ids) - job.computed, budget)
-            jobs.append(job)
-            toks.append(job.prompt_ids[job.computed: job.computed + take])
-            budget -= take
+        toks = next_chunks([j.prompt_ids for j in self.prefilling], [j.computed for j in self.prefilling],
+                           self.chunk_tokens)
+        jobs = self.prefilling[:len(toks)]
         if not jobs:
             return
-        r2t = self.runner.req_to_token_pool.req_to_token
-        loc = torch.cat([r2t[j.lease.row, j.computed: j.computed + len(t)] for j, t in zip(jobs, toks)])
-        batch = ForwardBatch.build(ForwardMode.EXTEND, [j.lease.row for j in jobs],
-                                   [j.computed for j in jobs], toks, loc, self.runner.device)
+        batch = extend_batch(self.runner.req_to_token_pool.req_to_token, [j.lease.row for j in jobs],
+                             [j.computed for j in jobs], toks, self.runner.device)
         t0 = time.monotonic()
         logits = self.runner.forward(batch)
         M.PREFILL_COMPUTE_SECONDS.observe(time.monotonic() - t0)
