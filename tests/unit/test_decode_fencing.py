@@ -11,7 +11,7 @@ from decode_svc.jobs import DestState, JobState
 from decode_svc.messages import DestResult, PeerGone, ProcessId
 from decode_svc.peers import PrefillPeers, destination_state
 from protos import prefill_pb2
-from tests.unit.test_decode_scheduler import P_INC, P_SEG, PROMPT, Decode, code, model, outcome, released  # noqa: F401
+from tests.unit.decode_harness import P_INC, P_SEG, PROMPT, Decode, code, model, outcome, released  # noqa: F401
 from transfer_svc.engine import host_id, pid_start_ticks
 
 

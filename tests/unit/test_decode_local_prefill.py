@@ -1,5 +1,5 @@
 """D prefills a request itself (``DecodeRequest.local_prefill``, decode_svc/local_prefill.py), in the
-scheduler harness of test_decode_scheduler (tiny random model, no P): nothing goes to any P, the
+scheduler harness tests/unit/decode_harness.py (tiny random model, no P): nothing goes to any P, the
 tokens equal the co-located engine's, the tail's EXTEND chunks are interleaved with the running
 batch's decode steps, and an abort mid-tail leaves exact accounting."""
 
@@ -10,7 +10,7 @@ import grpc
 from decode_svc.jobs import DecodeJob, JobState
 from engine.sampling_params import SamplingParams
 from telemetry import metrics as M
-from tests.unit.test_decode_scheduler import PROMPT, Decode, chunks, code, model, outcome, reference  # noqa: F401
+from tests.unit.decode_harness import PROMPT, Decode, chunks, code, model, outcome, reference  # noqa: F401
 
 
 def submit_local(d: Decode, ids, max_tokens=6) -> DecodeJob:

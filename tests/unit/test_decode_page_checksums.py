@@ -1,5 +1,5 @@
 """D's page checksums (``--kv-checksums``) in one process, with the stub P of
-``test_decode_scheduler``: a cached page whose bytes changed after it entered the radix cache is
+``tests/unit/decode_harness.py``: a cached page whose bytes changed after it entered the radix cache is
 found when a prefix hit would reuse it, taken out of the tree with what follows it, and recomputed
 (P gets a shorter ``pre_len``); the output still equals the co-located engine's."""
 
@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from telemetry import metrics as M
-from tests.unit.test_decode_scheduler import PS, Decode, model, outcome, reference  # noqa: F401
+from tests.unit.decode_harness import PS, Decode, model, outcome, reference  # noqa: F401
 
 PROMPT = [5, 17, 33, 2, 41, 8, 60, 12, 9, 70, 3, 44, 51]  # 13 tokens: 3 full pages + 1
 

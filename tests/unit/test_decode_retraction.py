@@ -1,6 +1,6 @@
 """D's on-demand decode memory in one process: reserve, growth, retraction and resume.
 
-The same tiny model and stub P as ``test_decode_scheduler``, with pools too small for the requests'
+The tiny model and stub P of ``tests/unit/decode_harness.py``, with pools too small for the requests'
 whole lengths, so requests grow page by page and the pool runs short at decode steps. Every
 request's greedy tokens must equal the co-located engine's run of it alone, the stream must have no
 gap or repeated token, and after every scenario the accounting is exact (free + evictable + locked +
@@ -18,7 +18,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.retraction import NewTokenRatio, pick_victim
 from protos import prefill_pb2
 from telemetry import metrics as M
-from tests.unit.test_decode_scheduler import Decode, code, model, outcome, reference  # noqa: F401
+from tests.unit.decode_harness import Decode, code, model, outcome, reference  # noqa: F401
 
 PROMPTS = [[5, 17, 33, 2, 41, 8, 60, 12, 9, 70], [7, 3, 19, 44, 2, 61, 5], [30, 31, 32, 33, 34, 35],
            [11, 22, 33, 44, 55, 66, 77, 88, 9]]

@@ -9,7 +9,7 @@ import time
 import grpc
 
 from protos import prefill_pb2
-from tests.unit.test_prefill_scheduler import error_of, model, pair, prompt  # noqa: F401
+from tests.unit.prefill_harness import error_of, model, pair, prompt  # noqa: F401
 
 
 def _fenced_once(pd, room, ids, code, why):
