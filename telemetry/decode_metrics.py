@@ -87,6 +87,15 @@ DECODE_FINISHED_TOKEN_SHARE = Histogram(
     "Per decode request that ended by itself: generated / min(max_tokens, projection clip).",
     buckets=SHARE_BUCKETS, registry=_R)
 
+# this group's metrics, in exposition order (telemetry.exposition.METRICS_BY_GROUP['decode'])
+METRICS = (
+    DECODE_QUEUE, DECODE_RUNNING, DECODE_KV_USAGE, DECODE_KV_PAGES, DECODE_PROMPT_TOKENS,
+    DECODE_PREFIX_HIT_TOKENS, DECODE_GENERATED_TOKENS, DECODE_EVICTED_PAGES,
+    DECODE_KV_CHECKSUM_MISMATCHES, DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES,
+    DECODE_RETRACTIONS, DECODE_RESERVE_MISSES, DECODE_RESUME_RECOMPUTED_TOKENS, DECODE_LOCAL_PREFILLS,
+    DECODE_LOCAL_PREFILL_TOKENS, DECODE_PROJECTED_PAGES, DECODE_NEW_TOKEN_RATIO,
+    DECODE_FINISHED_TOKEN_SHARE, DECODE_STEP_SECONDS, DECODE_STEP_REQUESTS)
+
 # Known label values are created up front, so their series exist (at 0) from the first scrape:
 # rate() and alerts then work before the first event.
 for _part in STEP_PARTS:

@@ -22,6 +22,10 @@ REGISTRY_LOOKUPS = Counter(
     "halfmoon_registry_lookups_total", "GetSegment lookups by result (found, not_found).",
     ["result"], registry=_R)
 
+# this group's metrics, in exposition order (telemetry.exposition.METRICS_BY_GROUP['registry'])
+METRICS = (
+    REGISTRY_WORKERS, REGISTRY_EXPIRED_LEASES, REGISTRY_LOOKUPS)
+
 # Known label values are created up front, so their series exist (at 0) from the first scrape:
 # rate() and alerts then work before the first event.
 for _role in WORKER_ROLES:

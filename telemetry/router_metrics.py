@@ -67,6 +67,12 @@ ROUTER_AUTH_FAILURES = Counter(
 AUTH_APIS = ("http", "grpc")
 AUTH_FAILURE_REASONS = ("missing", "invalid")
 
+# this group's metrics, in exposition order (telemetry.exposition.METRICS_BY_GROUP['router'])
+METRICS = (
+    ROUTER_REQUESTS, ROUTER_TTFT, ROUTER_ITL, ROUTER_E2E, ROUTER_RETRIES, ROUTER_MIGRATIONS,
+    ROUTER_IN_FLIGHT, ROUTER_QUEUED, ROUTER_PROMPT_TOKENS, ROUTER_COMPLETION_TOKENS,
+    ROUTER_AUTH_FAILURES, ROUTER_LOCAL_PREFILLS)
+
 # Known label values are created up front, so their series exist (at 0) from the first scrape:
 # rate() and alerts then work before the first event.
 for _leg in RETRY_LEGS:

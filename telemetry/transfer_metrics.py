@@ -26,6 +26,10 @@ TRANSFER_FAILURES = Counter(
     "halfmoon_transfer_failures_total", "Failed transfer batches by reason (sender side).",
     ["reason"], registry=_R)
 
+# this group's metrics, in exposition order (telemetry.exposition.METRICS_BY_GROUP['transfer'])
+METRICS = (
+    TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES)
+
 # Known label values are created up front, so their series exist (at 0) from the first scrape:
 # rate() and alerts then work before the first event.
 for _reason in TRANSFER_FAILURE_REASONS:
