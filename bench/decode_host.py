@@ -31,6 +31,7 @@ from pathlib import Path
 
 from bench.decode_memory import MODEL, UpStack, _metric
 from bench.request import BenchRequest
+from bench.results_file import write_result
 from bench.router_target import RouterTarget
 from bench.stats import distribution
 
@@ -163,9 +164,7 @@ def main(argv=None) -> int:
     res.update(bench(args.modes.split(","), batches, args.max_tokens, tmp, model))
     if "on" in res and "off" in res:
         print(_table(res, batches))
-    out = Path(args.output or Path(__file__).parent / "results" / f"decode_host_{time.strftime('%Y%m%dT%H%M%S')}.json")
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    write_result(res, "decode_host", args.output)
     return 0
 
 

@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import endpoints
+from bench.results_file import write_result
 from bench.stats import distribution, itl_gaps
 from protos import common_pb2, decode_pb2_grpc
 
@@ -249,9 +250,7 @@ def main(argv=None) -> int:
     for mode in ("ondemand", "full"):
         res[mode] = bench_mode(mode, tmp, workloads)
     print(_table(res))
-    out = Path(args.output or Path(__file__).parent / "results" / f"decode_memory_{time.strftime('%Y%m%dT%H%M%S')}.json")
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    write_result(res, "decode_memory", args.output)
     return 0
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.results_file import write_result
 from decode_svc import stream_chunks
 from protos import decode_pb2, decode_pb2_grpc
 
@@ -122,9 +123,7 @@ def main(argv=None) -> int:
             rows.append((b, k, off[k], on[k], round(on[k] / off[k], 2) if off[k] else "-"))
         rows.append((b, "ideal_wall_s", off["ideal_wall_s"], on["ideal_wall_s"], ""))
     print("\n".join(f"{r[0]!s:>4} {r[1]:<26} {r[2]!s:>9} {r[3]!s:>9} {r[4]!s:>7}" for r in rows))
-    out = Path(args.output or Path(__file__).parent / "results" / f"decode_streams_{time.strftime('%Y%m%dT%H%M%S')}.json")
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    write_result(res, "decode_streams", args.output)
     return 0
 
 
