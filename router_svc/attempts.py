@@ -63,7 +63,7 @@ class Attempts:
         self._background = background
 
     async def open(self, prep: PreparedRequest, handle: Inflight, abort_wait: asyncio.Future,
-                         deadline: float, tried: set[str]) -> tuple[Legs | LocalLeg, decode_pb2.DecodeChunk | None, int]:
+                   deadline: float, tried: set[str]) -> tuple[Legs | LocalLeg, decode_pb2.DecodeChunk | None, int]:
         """Pick a pair (avoiding ``tried`` when others are available), start both legs and wait for
         D's first token, retrying on a new pair up to ``max_attempts`` times. Returns (legs, first
         chunk or None when aborted meanwhile (the legs are closed then), attempts - 1); the legs

@@ -193,7 +193,7 @@ class Dispatcher:
                 else:
                     legs.p_task.add_done_callback(lambda _task: prefilled.set())
             state = StreamState(prep, self.migration_limit, retries=attempt)
-            async for resp in self.relay.relay(state, legs, first, abort_wait, handle, deadline, start):
+            async for resp in self.relay.stream(state, legs, first, abort_wait, handle, deadline, start):
                 if resp.finish_reason:
                     handle.status = "cancelled" if resp.finish_reason == "abort" else "ok"
                 yield resp

@@ -42,9 +42,13 @@ class Relay:
         self.attempts = attempts
         self._background = background
 
-    async def relay(self, state: StreamState, legs: Legs | LocalLeg, first: decode_pb2.DecodeChunk,
+    async def stream(self, state: StreamState, legs: Legs | LocalLeg, first: decode_pb2.DecodeChunk,
                      abort_wait: asyncio.Future, handle: Inflight, deadline: float,
                      start: float) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Yield the client's responses from D's first chunk ``first`` to the finish (or "abort"),
+        continuing on a new pair when D's stream breaks; ``start`` is the request's arrival
+        (monotonic seconds, for TTFT). Raises RouterError: DEADLINE_EXCEEDED, or UNAVAILABLE when
+        the stream could not migrate (see :meth:`Dispatcher.generate`)."""
         prep = state.prep
         rid = prep.request_id
         detok = IncrementalDetokenizer(self.tok.backend, prep.input_ids, prep.stop)
