@@ -164,7 +164,8 @@ def _kv_bytes_per_page(setup: Setup) -> int:
 def _batches(stack, request_id: str) -> list[dict]:
     log = stack.log_dir / "transfer.jsonl"  # P's --transfer-log: one line per KV batch and notice
     recs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return [r for r in recs if r.get("request_id") == request_id and r["event"] == "batch"]
+    # workers see the router's per-tenant id, ``<tenant>/<request_id>`` (router_svc/validation.py)
+    return [r for r in recs if r["event"] == "batch" and r.get("request_id", "").split("/", 1)[-1] == request_id]
 
 
 def test_reference_depends_on_the_prompt(cases):
@@ -190,7 +191,9 @@ def test_workers_run_where_asked(setup, stack):
             assert m.group(3) == "FlashInferAttentionBackend" and m.group(4) != "off", (name, m.group(0))
             assert m.group(6) == "(UCX's choice)", (name, m.group(0))
         else:
-            assert (m.group(3), m.group(4), m.group(6)) == ("TorchAttentionBackend", "off", "sm"), (name, m.group(0))
+            # auto on CPU: torch_paged (engine/attention/__init__.py)
+            assert (m.group(3), m.group(4), m.group(6)) == ("TorchPagedAttentionBackend", "off", "sm"), \
+                (name, m.group(0))
 
 
 def test_grpc_greedy_equals_colocated_and_shared_prefix_moves_the_delta(setup, stack, stub, cases):
