@@ -29,7 +29,7 @@ from decode_svc.streams import StreamEnd, stream_chunks
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
 from pd_common.drain import Drain
-from pd_common.protocol import validate_request
+from pd_common.protocol import ServiceError, validate_request
 from pd_common.tokenizer import grammar_state
 from protos import common_pb2, decode_pb2_grpc
 
@@ -138,6 +138,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return common_pb2.AbortResponse(found=found)
 
     def GetLoad(self, request, context):
-        rep = self.sched.load()
+        try:
+            rep = self.sched.load()
+        except ServiceError as e:
+            context.abort(e.code, str(e))
         rep.worker_id = self.worker_id
         return rep

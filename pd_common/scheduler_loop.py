@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 import grpc
 
@@ -54,11 +54,20 @@ class SchedulerLoop(ABC):
         still its room's live job, so a refused duplicate never ends the request it collided with."""
         self.inbox.post(Abort(job.room, job.request_id, reason, job))
 
-    def load(self) -> common_pb2.LoadReport:
-        """Load and KV accounting (pages), from the scheduler thread. Raises TimeoutError after 60 s."""
+    def load(self, timeout_s: float = 60.0) -> common_pb2.LoadReport:
+        """Load and KV accounting (pages), from the scheduler thread.
+
+        Raises ServiceError(UNAVAILABLE) when the thread has not answered within ``timeout_s``
+        seconds (one very long step, or a wedged loop): a GetLoad caller gets a status, not a
+        traceback in the worker's log.
+        """
         fut: Future = Future()
         self.inbox.post(LoadQuery(fut))
-        return fut.result(timeout=60)
+        try:
+            return fut.result(timeout=timeout_s)
+        except FutureTimeout:  # the late answer is set on a future nobody reads
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"{self._thread.name} did not report its load within {timeout_s:g} s") from None
 
     def stop(self, message: str) -> None:
         """End the loop and answer every waiting caller with UNAVAILABLE ``message``."""

@@ -103,6 +103,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return common_pb2.AbortResponse(found=found)
 
     def GetLoad(self, request, context):
-        rep = self.sched.load()
+        try:
+            rep = self.sched.load()
+        except ServiceError as e:
+            context.abort(e.code, str(e))
         rep.worker_id = self.worker_id
         return rep
