@@ -238,7 +238,8 @@ class Dispatcher:
         last: LegFailure | None = None
         legs: Legs | LocalLeg | None = None
         for attempt in range(self.max_attempts):
-            local = self.local_prefill and self.local_prefill.choose(
+            # n > 1 needs P's n first tokens: D alone samples one (decode_svc/fork.py)
+            local = self.local_prefill and prep.best_of == 1 and self.local_prefill.choose(
                 self.pool.by_role(PREFILL), self.pool.by_role(DECODE), prep.input_ids, tried)
             try:
                 if local:
@@ -291,6 +292,12 @@ class Dispatcher:
             return legs, first, attempt
         code = last.code if last and last.code == grpc.StatusCode.RESOURCE_EXHAUSTED else grpc.StatusCode.UNAVAILABLE
         raise RouterError(code, f"request failed after {self.max_attempts} attempts; last: {last}")
+
+    async def open_pair(self, prep: PreparedRequest, handle: _Inflight, abort_wait: asyncio.Future,
+                        deadline: float) -> tuple[Legs | LocalLeg, decode_pb2.DecodeChunk | None, int]:
+        """One request's pair and D's first chunk, retried as :meth:`generate` does (for the fan-out of
+        n samples, router_svc/fanout.py, which relays the chunks itself). Raises RouterError."""
+        return await self._open_pair(prep, handle, abort_wait, deadline, set())
 
     async def _first_chunk(self, legs: Legs | LocalLeg, abort_wait: asyncio.Future, deadline: float):
         """Wait for D's first chunk with tokens; None when aborted. Raises LegFailure: DEADLINE_EXCEEDED
