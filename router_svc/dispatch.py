@@ -159,12 +159,9 @@ class Dispatcher:
             raise
 
     async def generate(self, prep: PreparedRequest, timeout: float | None = None, arrival: float | None = None,
-                       ticket: Ticket | None = None,
-                       prefilled: asyncio.Event | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
+                       ticket: Ticket | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream responses for a validated request; ``ticket`` (from :meth:`admit`) leaves the
-        admission queue at the first token and is closed at the end in any case; ``prefilled`` is
-        set once the serving attempt's Prefill call returned (P has released the job: its prompt
-        pages are in P's radix cache), or at the first token when D prefilled the prompt itself.
+        admission queue at the first token and is closed at the end in any case.
 
         Yields GenerateResponse messages: token ids, text delta (UTF-8 safe, stop strings removed),
         logprobs; the last one carries ``finish_reason`` ("stop" | "length" | "abort") and usage.
@@ -198,11 +195,6 @@ class Dispatcher:
                 return
             if ticket is not None:
                 ticket.started()
-            if prefilled is not None:
-                if legs.p_task is None:
-                    prefilled.set()
-                else:
-                    legs.p_task.add_done_callback(lambda _task: prefilled.set())
             state = StreamState(prep, self.migration_limit, retries=attempt)
             async for resp in self._relay(state, legs, first, abort_wait, handle, deadline, start):
                 if resp.finish_reason:

@@ -64,6 +64,7 @@ class _Sample:
     handle: object            # the dispatcher's handle of "<id>#<index>" (its Router.Abort)
     aborted: asyncio.Future   # ... set
     finish: str = ""
+    abort_sent: bool = False  # its Router.Abort went on to D
 
 
 async def samples(dispatcher: Dispatcher, prep: PreparedRequest, timeout: float | None = None,
@@ -151,7 +152,11 @@ async def _relay(dispatcher: Dispatcher, legs: Legs, first, ss: list[_Sample], h
         while True:
             if chunk is None:
                 read = read or legs.read()
-                pending = {read, abort_wait} | {s.aborted for s in ss if not s.finish and not s.aborted.done()}
+                for s in ss:   # D answers each with the sample's finish "abort"
+                    if s.aborted.done() and not s.abort_sent and not s.finish:
+                        s.abort_sent = True
+                        end_on_d(s, s.handle.reason or "aborted by client")
+                pending = {read, abort_wait} | {s.aborted for s in ss if not s.abort_sent and not s.finish}
                 done, _ = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
@@ -165,9 +170,6 @@ async def _relay(dispatcher: Dispatcher, legs: Legs, first, ss: list[_Sample], h
                             yield s.index, router_pb2.GenerateResponse(
                                 text=s.detok.flush(), finish_reason="abort", usage=usage(s), **meta)
                     return
-                for s in ss:
-                    if s.aborted in done:   # D answers with the sample's finish "abort"
-                        end_on_d(s, s.handle.reason or "aborted by client")
                 if read not in done:
                     continue
                 exc = read.exception() if not read.cancelled() else asyncio.CancelledError()

@@ -1,7 +1,7 @@
 """``n`` > 1, ``best_of`` and ``echo`` end to end on 1 prefill + 1 decode through the router (real
 processes, real ``openai`` client, gRPC ``GenerateRequest.n``): greedy samples are identical, seeded
 sample i equals an n=1 request with seed + i, streamed equals non-streamed, usage counts the prompt
-once, later samples reuse the prompt's pages on P and D, aborting one sample leaves the others,
+once, the n samples are one prefill whose pages move to D once, aborting one sample leaves the others,
 aborting the request ends all, and the KV accounting is idle after. One stack for the module."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -136,26 +137,38 @@ def _grpc(stub, n: int, rid: str = "", text: str = PROMPT, **sampling):
     return by
 
 
-def test_grpc_n3_indexes_and_later_samples_reuse_the_prompt_pages(stub, stack):
-    # a fresh prompt of 3 full pages + a partial one (page_size 16): sample 0 prefills it, then
-    # 1 and 2 find the full pages in P's and D's radix caches and only the partial page moves
-    # (a fixed text, used by no other test of the module: a random id made its length a whole
-    # number of pages one time in 16, and P's hit is capped at len - 1 tokens)
+def _counter(stack, role: str, name: str) -> float:
+    """Sum of a counter on every worker of ``role`` (its /metrics)."""
+    total = 0.0
+    for w in stack.endpoints[role]:
+        text = urllib.request.urlopen(f"http://{w['metrics']}/metrics", timeout=10).read().decode()
+        total += sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    return total
+
+
+def test_grpc_n3_is_one_prefill_and_the_prompt_pages_move_once(stub, stack):
+    # a fresh prompt of 3 full pages + a partial one (page_size 16): P prefills it once and samples
+    # 3 first tokens, the 4 pages move to D once, and D's samples 1, 2 share the full pages (their
+    # decode prefix) with a copy of the partial one (a fixed text, used by no other test of the module)
     prompt = "Request grpc-n3, three samples: " + "the quick brown fox jumps over the lazy dog " * 5
+    before = {(r, m): _counter(stack, r, m) for r, m in _ONE_PREFILL}
     by = _grpc(stub, 3, rid="grpc-n3", text=prompt, max_tokens=6)
     assert sorted(by) == [0, 1, 2]
     ids = [[t for r in by[i] for t in r.token_ids] for i in range(3)]
     assert ids[0] == ids[1] == ids[2] and len(ids[0]) == 6
     usage = [by[i][-1].usage for i in range(3)]
     assert all(r.request_id == "grpc-n3" for i in by for r in by[i])
-    full = usage[0].prompt_tokens // 16 * 16
-    assert usage[0].prompt_tokens % 16, "the prompt must end in a partial page"
-    assert usage[0].prompt_tokens > 48 and usage[0].decode_prefix_tokens == 0 and usage[0].cached_tokens == 0
-    for u in usage[1:]:
-        assert u.decode_prefix_tokens == full, u          # D: the shared prompt pages
-        assert u.cached_tokens == full, u                 # P: computed only the tail
-        assert u.kv_pages_transferred == 1, u             # the partial last page alone
+    n = usage[0].prompt_tokens
+    assert n % 16 and n > 48, "the prompt must end in a partial page"
+    for (role, metric), was in before.items():   # exactly one prefill, one pre-allocation
+        assert _counter(stack, role, metric) - was == n, (role, metric)
+    assert [u.cached_tokens for u in usage] == [0, 0, 0]                  # P computed it, once
+    assert [u.kv_pages_transferred for u in usage] == [-(-n // 16), 0, 0]  # the prompt's pages, once
+    assert [u.decode_prefix_tokens for u in usage] == [0, n // 16 * 16, n // 16 * 16]  # shared on D
     assert_idle_accounting(worker_targets(stack), credentials=stack.credentials.client())
+
+
+_ONE_PREFILL = (("prefill", "halfmoon_prefill_prompt_tokens_total"), ("decode", "halfmoon_decode_prompt_tokens_total"))
 
 
 class _AbortWhenRunning(threading.Thread):
