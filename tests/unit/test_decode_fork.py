@@ -208,3 +208,36 @@ def test_stream_coalesces_per_sample_never_across():
     q.put(None)
     sent = list(stream_chunks(q, keepalive_s=0, queued=lambda: False))
     assert [(c.index, list(c.token_ids)) for c in sent] == [(0, [10, 10]), (1, [11, 11]), (2, [12])]
+
+
+def test_without_radix_cache_each_sample_copies_the_prompt(model, reference):
+    d = Decode(model, disable_radix_cache=True)
+    ref = reference(PROMPT, 6)
+    job = submit(d, 2, 6)
+    d.tick(2)
+    play_p(d, job, [ref[0]] * 2)
+    d.tick()
+    ss = samples(d, job)
+    assert ss[1].lease.pre_len == 0 and len(set(ss[0].lease.own_pages) & set(ss[1].lease.own_pages)) == 0
+    d.run_until_done(*ss)
+    got, end = by_index(job)
+    assert end is None and [tokens(got[i]) for i in range(2)] == [ref, ref]
+    d.assert_idle()
+    assert d.load().accounting.free_pages == d.load().accounting.total_pages
+
+
+def test_a_sample_without_pages_at_the_fork_streams_its_first_token_and_resumes(model, reference):
+    d = Decode(model, num_pages=4, reserved_decode_tokens=2)
+    ref = reference(PROMPT, 3)
+    job = submit(d, 3, 3)
+    d.tick(2)
+    play_p(d, job, [ref[0]] * 3)
+    d.tick()
+    ss = samples(d, job)
+    assert [s.lease is not None for s in ss] == [True, True, False]   # one free page for sample 1 only
+    assert ss[2].state is JobState.RETRACTED and ss[2].output_ids == [ref[0]]
+    d.run_until_done(*ss, limit=200)
+    got, end = by_index(job)
+    assert end is None and [tokens(got[i]) for i in range(3)] == [ref] * 3
+    assert ss[2].retractions == 0   # waited, was not retracted
+    d.assert_idle()
