@@ -16,7 +16,7 @@ import grpc
 import openai
 import pytest
 
-from protos import common_pb2, router_pb2
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
 from tests.e2e.conftest import stack_fixture, worker_targets
 from tests.integration.conftest import MODEL, assert_idle_accounting
 
@@ -229,3 +229,25 @@ def test_bad_sample_counts_are_400_naming_them(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **kw)
         assert e.value.body["param"] == param, (kw, e.value.body)
+
+
+def test_workers_refuse_bad_sample_counts_naming_n(stack, tok):
+    """P and D check ``n`` before anything is allocated: above the bound, and n > 1 on D without a
+    prefill leg (local_prefill samples one first token)."""
+    ids = tok.encode(PROMPT)
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=2)
+    targets = dict(worker_targets(stack))
+    creds = stack.credentials.client()
+    with creds.channel(targets["prefill"]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                request_id="bad-n", room=7, input_ids=ids, sampling=sampling, n=17), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("n:")
+    with creds.channel(targets["decode"]) as ch:
+        for n, local in ((17, False), (2, True)):
+            req = decode_pb2.DecodeRequest(request_id="bad-n", room=8, input_ids=ids, sampling=sampling, n=n,
+                                           local_prefill=local, prefill_address="" if local else "127.0.0.1:1")
+            with pytest.raises(grpc.RpcError) as e:
+                list(decode_pb2_grpc.DecodeStub(ch).Generate(req, timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("n:"), n
+    assert_idle_accounting(worker_targets(stack), credentials=creds)

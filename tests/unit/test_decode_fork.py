@@ -8,13 +8,17 @@ retracted leaves the others; an abort of the request ends all. Accounting exact 
 
 from __future__ import annotations
 
+import queue
+
 import grpc
+import pytest
 import torch
 
 from decode_svc.jobs import DecodeJob, JobState
 from decode_svc.streams import stream_chunks
 from engine.sampling_params import SamplingParams, sample_seed
-from pd_common.protocol import ServiceError
+from engine.errors import InvalidRequestError
+from pd_common.protocol import MAX_SAMPLES, ServiceError, validate_samples
 from protos import decode_pb2, prefill_pb2
 from telemetry import metrics as M
 from tests.unit.test_decode_scheduler import P_ADDR, PROMPT, PS, Decode, model, reference  # noqa: F401
@@ -188,11 +192,7 @@ def test_a_retracted_sample_resumes_and_the_others_keep_their_pages(model, refer
     d.assert_idle()
 
 
-def test_n_above_the_bound_and_local_prefill_are_refused_by_name():
-    from pd_common.protocol import MAX_SAMPLES, validate_samples
-    from engine.errors import InvalidRequestError
-    import pytest
-
+def test_n_above_the_bound_is_refused_by_name():
     assert validate_samples(0) == 1 and validate_samples(MAX_SAMPLES) == MAX_SAMPLES
     with pytest.raises(InvalidRequestError) as e:
         validate_samples(MAX_SAMPLES + 1)
@@ -200,8 +200,6 @@ def test_n_above_the_bound_and_local_prefill_are_refused_by_name():
 
 
 def test_stream_coalesces_per_sample_never_across():
-    import queue
-
     q = queue.SimpleQueue()
     for i in (0, 1, 0, 2, 1):
         q.put(decode_pb2.DecodeChunk(token_ids=[10 + i], index=i))
