@@ -239,3 +239,21 @@ def test_a_sample_without_pages_at_the_fork_streams_its_first_token_and_resumes(
     assert end is None and [tokens(got[i]) for i in range(3)] == [ref] * 3
     assert ss[2].retractions == 0   # waited, was not retracted
     d.assert_idle()
+
+
+def test_overlap_schedule_forks_and_frees_an_aborted_sample_after_its_step(model, reference):
+    d = Decode(model, overlap_schedule=True)
+    ref = reference(PROMPT, 12)
+    job = submit(d, 3, 12)
+    d.tick(2)
+    play_p(d, job, [ref[0]] * 3)
+    d.tick(3)
+    assert d.sched.running.overlap.busy   # the samples' next step is in flight
+    d.sched.abort(job.room, job.request_id, "one", sample=2)
+    d.sched.inbox.drain(0, d.sched.handle)
+    assert d.sched.running.overlap.deferred_pages > 0   # its pages wait for the step writing them
+    d.run_until_done(*samples(d, job))
+    got, end = by_index(job)
+    assert end is None and tokens(got[0]) == tokens(got[1]) == ref
+    assert got[2][-1].finish_reason == "abort" and tokens(got[2]) == ref[:len(tokens(got[2]))]
+    d.assert_idle()
