@@ -189,9 +189,11 @@ class Forks:
         """End sample ``index`` of ``request`` alone (finish ``abort``); before the fork, it is
         ended at the fork. Out-of-range indexes and ended samples are ignored (nothing to end)."""
         fork = self._forks.get(request)
+        if index >= request.n:
+            return
         if fork is None:
             request.sample_aborts.add(index)
-        elif index < len(fork.samples) and fork.samples[index].state is not JobState.DONE:
+        elif fork.samples[index].state is not JobState.DONE:
             self._abort(fork, fork.samples[index], reason)
 
     def _abort(self, fork: Fork, s: DecodeJob, reason: str) -> None:

@@ -237,7 +237,7 @@ class DecodeScheduler(SchedulerLoop):
 
     def _abort(self, msg: Abort) -> None:
         for job in abort_targets(self.jobs, msg):
-            if msg.sample is not None and job.n > 1:
+            if msg.sample is not None and (job.n > 1 or msg.sample):  # sample 0 of n=1: the request
                 self.forks.abort_sample(job, msg.sample, msg.reason or "aborted")
                 continue
             job.aborted = msg.reason or "aborted"

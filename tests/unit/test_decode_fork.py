@@ -257,3 +257,27 @@ def test_overlap_schedule_forks_and_frees_an_aborted_sample_after_its_step(model
     assert end is None and tokens(got[0]) == tokens(got[1]) == ref
     assert got[2][-1].finish_reason == "abort" and tokens(got[2]) == ref[:len(tokens(got[2]))]
     d.assert_idle()
+
+
+def test_a_sample_abort_before_the_fork_and_out_of_range_ones(model, reference):
+    d = Decode(model)
+    ref = reference(PROMPT, 6)
+    one = submit(d, 1, 6)
+    job = submit(d, 2, 6)
+    d.tick(2)
+    for j in (one, job):   # an n=1 request has no sample 1; no request has a sample 2
+        d.sched.abort(j.room, j.request_id, "nothing to end", sample=2)
+    d.sched.abort(one.room, one.request_id, "nothing to end", sample=1)
+    d.sched.abort(job.room, job.request_id, "before the fork", sample=1)   # still in the KV wait
+    d.tick()
+    assert one.state is JobState.TRANSFER and job.state is JobState.TRANSFER
+    play_p(d, one, [ref[0]])
+    play_p(d, job, [ref[0]] * 2)
+    d.tick()
+    d.run_until_done(one, job)
+    got, end = by_index(job)
+    assert end is None and tokens(got[0]) == ref
+    assert [(c.finish_reason, list(c.token_ids)) for c in got[1]] == [("abort", [])]
+    got, end = by_index(one)
+    assert end is None and tokens(got[0]) == ref
+    d.assert_idle()
