@@ -4,6 +4,8 @@
                                                       ^   ^                      │
     LOCAL_PREFILL ─tail computed, first token sampled─┘   └─resume── RETRACTED <─┘ pool short
 
+    n > 1: TRANSFER ─P's notice ok─> FORKED ─last sample ended─> DONE (each sample runs from WAITING)
+
 Each state but DONE is one queue that owns the job: ``PreallocQueue`` (PREALLOC), ``KVWaitQueue``
 (TRANSFER), ``RunningBatch`` (WAITING and RUNNING), ``DecodeMemory`` (RETRACTED),
 ``LocalPrefillQueue`` (LOCAL_PREFILL: no prefill leg, D computes the prompt's uncached tail). Any state may end
@@ -30,6 +32,7 @@ class JobState(enum.Enum):
     RETRACTED = "retracted"  # pool short: KV given back (full pages kept by the radix cache), waits to
     # resume; holds a lease again while D recomputes its tail (DecodeMemory.resuming)
     LOCAL_PREFILL = "local_prefill"  # no P leg: waiting for a row, or D computing the uncached tail
+    FORKED = "forked"      # n > 1: its samples run (decode_svc/fork.py); holds no KV itself
     DONE = "done"
 
 
@@ -91,6 +94,11 @@ class DecodeJob:
     finish_reason: str = ""
     matched_stop: str = ""
     aborted: str = ""
+    n: int = 1                     # samples of the prompt (DecodeRequest.n; decode_svc/fork.py)
+    index: int = 0                 # this job's sample index (a forked sample's DecodeChunk.index)
+    sample_grammars: list[GrammarState | None] = field(default_factory=list)  # samples 1..n-1's matchers
+    first_samples: list = field(default_factory=list)   # KVNotice.samples, from the commit to the fork
+    sample_aborts: set[int] = field(default_factory=set)  # samples aborted before the fork
 
     def kv_tokens(self) -> list[int]:
         """The tokens whose K/V the row holds: ``(prompt + output)[:kv_len]``."""

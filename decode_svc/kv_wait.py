@@ -124,6 +124,8 @@ class KVWaitQueue:
             self._fail(job, ServiceError(grpc.StatusCode.UNAVAILABLE, f"prefill failed: {notice.error}"))
             return None
         error = self._check_delta(job, notice)
+        if not error and len(notice.samples) != job.n - 1:
+            error = f"prefill sent {len(notice.samples) + 1} first tokens, {job.n} samples expected"
         if error:
             self._fail(job, ServiceError(grpc.StatusCode.DATA_LOSS, error))
             return None
@@ -154,6 +156,7 @@ class KVWaitQueue:
         M.DECODE_KV_WAIT_SECONDS.observe(time.monotonic() - job.t_prealloc)
         job.cached_tokens = int(notice.cached_tokens)
         job.kv_len = len(job.prompt_ids)
+        job.first_samples = list(notice.samples)
         self.kv.commit(job.lease, job.prompt_ids)
         if not job.params.greedy:
             job.generator = make_generator(job.params.seed, self.runner.device)

@@ -113,12 +113,15 @@ class DecodeMemory:
 
     def future_pages(self, job: DecodeJob) -> int:
         """Pages a live job is projected to still take beyond the slots it holds (0 in full mode)."""
-        if not self.ondemand or job.lease is None:
+        if job.lease is None:
             return 0
+        forked = self.fork_pages(len(job.prompt_ids), job.params.max_tokens, job.n)  # not forked yet
+        if not self.ondemand:
+            return forked
         done = max(job.kv_len, len(job.prompt_ids))
         want = min(done + self.ratio.projected_tokens(job.params.max_tokens - len(job.output_ids)),
                    self.max_context)
-        return max(0, self.kv.pages_for(want) - self.kv.pages_for(job.lease.alloc_len))
+        return forked + max(0, self.kv.pages_for(want) - self.kv.pages_for(job.lease.alloc_len))
 
     def new_future_pages(self, prompt_len: int, max_tokens: int, held_len: int) -> int:
         """Pages a request about to be admitted with ``held_len`` slots is projected to take later."""
@@ -126,6 +129,15 @@ class DecodeMemory:
             return 0
         want = min(prompt_len + self.ratio.projected_tokens(max_tokens), self.max_context)
         return max(0, self.kv.pages_for(want) - self.kv.pages_for(held_len))
+
+    def fork_pages(self, prompt_len: int, max_tokens: int, n: int) -> int:
+        """Pages samples 1..n-1 of a request will take at its fork (``decode_svc.fork``): each its
+        reserve beyond the prompt's full pages (which they share) plus its projection."""
+        if n <= 1:
+            return 0
+        held = self.reserve_len(prompt_len, max_tokens)
+        own = self.kv.pages_for(held) - prompt_len // self.kv.page_size
+        return (n - 1) * (own + self.new_future_pages(prompt_len, max_tokens, held))
 
     def headroom(self, live: Iterable[DecodeJob]) -> tuple[int, bool]:
         """(pages the live jobs are projected to still take, whether any live job holds a lease)."""
@@ -153,6 +165,12 @@ class DecodeMemory:
         bisect.insort(self.retracted, job, key=lambda j: j.seq)
         self.ratio.on_retract()
         M.DECODE_RETRACTIONS.labels(reason=reason).inc()
+
+    def wait_resume(self, job: DecodeJob) -> None:
+        """A job with no lease whose K/V is ``prompt + output[:-1]`` (a forked sample that found no
+        pages at the fork) waits with the retracted jobs, resumed like them (not a retraction)."""
+        job.state = JobState.RETRACTED
+        bisect.insort(self.retracted, job, key=lambda j: j.seq)
 
     def on_finish(self, job: DecodeJob) -> None:
         """A job ended by itself (stop, EOS, length): the projection learns how much it used."""

@@ -100,6 +100,8 @@ class PreallocQueue:
             held = self.memory.reserve_len(n, mt)
             others, any_lease = self.memory.headroom(self._live())
             head = others + self.memory.new_future_pages(n, mt, held) if any_lease else 0
+            if any_lease:  # alone, a request is admitted whenever it fits: samples short at the fork wait
+                head += self.memory.fork_pages(n, mt, job.n)
             lease = self.kv.admit(job.prompt_ids, match_len=n, alloc_len=held, headroom_pages=head)
             # a bad cached page left the tree with what follows it: the next match is shorter
             if lease is None or self.page_sums is None or not self.page_sums.cut_bad_prefix(

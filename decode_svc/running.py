@@ -155,7 +155,7 @@ class RunningBatch:
         if first or reason:
             chunk.prompt_tokens = len(job.prompt_ids)
             chunk.cached_tokens = job.cached_tokens
-            chunk.decode_prefix_tokens = job.lease.pre_len
+            chunk.decode_prefix_tokens = job.lease.pre_len if job.lease is not None else 0
             chunk.kv_pages_transferred = job.pages_transferred
             chunk.kv_bytes_transferred = job.bytes_transferred
             chunk.completion_tokens = len(job.output_ids)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from decode_svc.fork import Forks
 from decode_svc.jobs import DecodeJob, DestState, JobState
 from decode_svc.kv_wait import KVWaitQueue
 from decode_svc.local_prefill import LocalPrefillQueue
@@ -118,10 +119,12 @@ class DecodeScheduler(SchedulerLoop):
         self.kv_wait = KVWaitQueue(runner, self.kv, net, self.quarantine, self._fail, checksums=checksums,
                                    timeout_s=kv_wait_timeout_s, liveness_interval_s=liveness_interval_s)
         self.prealloc = PreallocQueue(self.kv, net, self.kv_wait, segment_name=segment_name,
-                                      memory=self.memory, live=self.jobs.values, checksums=checksums,
+                                      memory=self.memory, live=self._live, checksums=checksums,
                                       fence=fence, page_sums=self.page_sums)
-        self.local = LocalPrefillQueue(runner, self.kv, self.memory, self.jobs.values,
+        self.local = LocalPrefillQueue(runner, self.kv, self.memory, self._live,
                                        chunk_tokens=self.memory.chunk_tokens, page_sums=self.page_sums)
+        self.forks = Forks(runner.kv_pool, self.kv, self.memory, self.running, end=self._end_sample,
+                           finish=self._finish_forked, fail=self._fail, tokenizer=tokenizer)
         self._arrivals = itertools.count()
         self._notice_thread = threading.Thread(target=self._pump_notices, name="decode-notices", daemon=True)
 
@@ -140,10 +143,11 @@ class DecodeScheduler(SchedulerLoop):
         else:
             self.inbox.post(Submit(job))
 
-    def abort(self, room: int, request_id: str, reason: str) -> bool:
-        """Queue an abort (never waits for the scheduler); returns whether the request is known."""
+    def abort(self, room: int, request_id: str, reason: str, sample: int | None = None) -> bool:
+        """Queue an abort (never waits for the scheduler); returns whether the request is known.
+        ``sample``: end only that sample of an ``n > 1`` request (``decode_svc.fork``)."""
         found = self.known.knows(room, request_id)
-        self.inbox.post(Abort(room, request_id, reason))
+        self.inbox.post(Abort(room, request_id, reason, sample=sample))
         return found
 
     def post(self, msg: DestResult | PeerGone | Notice) -> None:
@@ -185,7 +189,7 @@ class DecodeScheduler(SchedulerLoop):
             case Notice():
                 committed = self.kv_wait.on_notice(msg)
                 if committed is not None:
-                    self.running.start(*committed)
+                    (self.forks.fork if committed[0].n > 1 else self.running.start)(*committed)
                     # only now: a commit or first token that raised leaves the job to the KV-wait timeout
                     self.kv_wait.discard(committed[0])
             case DestResult():
@@ -198,7 +202,7 @@ class DecodeScheduler(SchedulerLoop):
         self.kv_wait.expire(now)
         self.quarantine.expire(now)
         self.kv_wait.poll_liveness(now)
-        self.memory.resume(self.jobs.values(), self.running.settle, self.running.add_waiting)
+        self.memory.resume(self._live(), self.running.settle, self.running.add_waiting)
         if not len(self.memory):  # retracted requests come back before any new one is admitted
             self.prealloc.schedule()
         self.local.step(not len(self.memory), self.running.settle, self.running.start)
@@ -212,6 +216,10 @@ class DecodeScheduler(SchedulerLoop):
 
     def live_jobs(self) -> list:
         return list(self.jobs.values())
+
+    def _live(self) -> list[DecodeJob]:
+        """Every job that may hold KV: the requests, and the samples of forked ones."""
+        return list(self.jobs.values()) + list(self.forks.samples())
 
     def answer_shutdown(self, job: DecodeJob, err: ServiceError) -> None:
         if not job.finish_reason:
@@ -229,6 +237,9 @@ class DecodeScheduler(SchedulerLoop):
 
     def _abort(self, msg: Abort) -> None:
         for job in abort_targets(self.jobs, msg):
+            if msg.sample is not None and (job.n > 1 or msg.sample):  # sample 0 of n=1: the request
+                self.forks.abort_sample(job, msg.sample, msg.reason or "aborted")
+                continue
             job.aborted = msg.reason or "aborted"
             self._fail(job, ServiceError(grpc.StatusCode.CANCELLED, f"aborted: {job.aborted}"))
 
@@ -237,6 +248,14 @@ class DecodeScheduler(SchedulerLoop):
         self.memory.on_finish(job)
         self._end(job, quarantine=False)
         job.out.put(None)
+
+    def _finish_forked(self, job: DecodeJob) -> None:
+        """A forked request whose samples all ended: its stream ends."""
+        self._end(job, quarantine=False)
+        job.out.put(None)
+
+    def _end_sample(self, job: DecodeJob) -> None:
+        self._end(job, quarantine=False)
 
     def _fail(self, job: DecodeJob, err: ServiceError) -> None:
         if job.state is JobState.DONE:
@@ -250,7 +269,7 @@ class DecodeScheduler(SchedulerLoop):
     def _retract(self, job: DecodeJob, reason: str) -> None:
         """A running job the pool cannot grow: retract it, unless nothing else holds pages that
         could ever come back (then it can never grow: RESOURCE_EXHAUSTED)."""
-        others = any(j.lease is not None for j in self.jobs.values() if j is not job)
+        others = any(j.lease is not None for j in self._live() if j is not job)
         if not others and not self.quarantine.num_pages:
             self._fail(job, ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                          f"decode KV pool exhausted at {job.kv_len + 1} tokens "
@@ -266,6 +285,8 @@ class DecodeScheduler(SchedulerLoop):
             self.running.remove(job)  # frees now, or after the decode step in flight
         elif job.state is JobState.RETRACTED:
             self.memory.discard(job)  # a lease only while its tail is being recomputed
+        elif job.state is JobState.FORKED:
+            self.forks.end_samples(job)  # holds no KV itself
         else:
             queue = {JobState.PREALLOC: self.prealloc, JobState.LOCAL_PREFILL: self.local}.get(job.state, self.kv_wait)
             queue.discard(job)
@@ -279,7 +300,7 @@ class DecodeScheduler(SchedulerLoop):
     # ------------------------------------------------------------------ accounting
     def _owned(self) -> int:
         """Pages held outside the radix cache: leases, quarantine, frees waiting for a step."""
-        return (sum(len(j.lease.own_pages) for j in self.jobs.values() if j.lease is not None)
+        return (sum(len(j.lease.own_pages) for j in self._live() if j.lease is not None)
                 + self.quarantine.num_pages + self.running.overlap.deferred_pages)
 
     def _load_report(self) -> common_pb2.LoadReport:

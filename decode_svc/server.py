@@ -29,7 +29,7 @@ from decode_svc.streams import StreamEnd, stream_chunks
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
 from pd_common.drain import Drain
-from pd_common.protocol import ServiceError, validate_request
+from pd_common.protocol import ServiceError, validate_request, validate_samples
 from pd_common.tokenizer import grammar_state
 from protos import common_pb2, decode_pb2_grpc
 
@@ -98,6 +98,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if params.stop and self.tokenizer is None:
                 raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
             grammar = grammar_state(self.grammars, params)
+            n = validate_samples(request.n)
+            if n > 1 and request.local_prefill:
+                raise InvalidRequestError("n", "n > 1 needs a prefill leg (local_prefill samples one first token)")
+            sample_grammars = [grammar_state(self.grammars, params) for _ in range(n - 1)]
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         why = self.sched.never_fits(len(request.input_ids), params.max_tokens)
@@ -107,7 +111,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         prompt_ids=list(request.input_ids), params=params,
                         prefill_address=request.prefill_address,
                         prefill_worker_id=request.prefill_worker_id, grammar=grammar,
-                        local_prefill=request.local_prefill)
+                        local_prefill=request.local_prefill, n=n, sample_grammars=sample_grammars)
         if params.stop:
             from engine.detokenizer import IncrementalDetokenizer
 
@@ -134,7 +138,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self._streams.discard(stream)
 
     def Abort(self, request, context):
-        found = self.sched.abort(int(request.room), request.request_id, request.reason or "abort RPC")
+        found = self.sched.abort(int(request.room), request.request_id, request.reason or "abort RPC",
+                                 request.sample if request.HasField("sample") else None)
         return common_pb2.AbortResponse(found=found)
 
     def GetLoad(self, request, context):

@@ -8,7 +8,8 @@ one ``DecodeChunk``, every token already waiting on its queue when it gets to wr
 keeps up still sends one token per message (no added latency); one that lags catches up in one
 message. ``token_ids`` and ``logprobs`` are repeated already (one logprob per token when asked), and
 the summary fields of the first and the last chunk are kept, so a consumer that handles a chunk of
-n tokens sees exactly what n one-token chunks would have told it.
+n tokens sees exactly what n one-token chunks would have told it. The samples of an ``n > 1``
+request share the queue: chunks merge per sample (``DecodeChunk.index``), never across samples.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def stream_chunks(out: queue.SimpleQueue, *, keepalive_s: float, queued: Callabl
         if isinstance(item, ServiceError):
             raise StreamEnd(item)
         end = _OPEN
+        merged = {item.index: item}  # one chunk per sample (DecodeChunk.index), in first-seen order
         while coalesce:
             try:
                 nxt = out.get_nowait()
@@ -82,9 +84,12 @@ def stream_chunks(out: queue.SimpleQueue, *, keepalive_s: float, queued: Callabl
             if not isinstance(nxt, decode_pb2.DecodeChunk):
                 end = nxt
                 break
-            merge_into(item, nxt)
+            if nxt.index in merged:
+                merge_into(merged[nxt.index], nxt)
+            else:
+                merged[nxt.index] = nxt
         sent = True
-        yield item
+        yield from merged.values()
         if end is None:
             return
         if end is not _OPEN:

@@ -28,6 +28,13 @@ from engine.grammar import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: |bias| <= 100
+SEED_MOD = 2**64
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed``: ``(seed + index) mod 2**64``,
+    so seeded sample i of an ``n > 1`` request equals an ``n = 1`` request with seed ``seed + i``."""
+    return (seed + index) % SEED_MOD
 
 
 @dataclasses.dataclass
@@ -110,3 +117,11 @@ def validate_prompt_ids(token_ids: Sequence[int], vocab_size: int, field: str = 
     for i, t in enumerate(token_ids):
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise InvalidRequestError(field, f"token {i} = {t!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def for_sample(params: SamplingParams, index: int) -> SamplingParams:
+    """``params`` of sample ``index`` (a copy with the derived seed; ``params`` itself when unseeded
+    or ``index == 0``)."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=sample_seed(params.seed, index))

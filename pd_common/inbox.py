@@ -29,6 +29,7 @@ class Abort:
     request_id: str
     reason: str
     job: object = None
+    sample: int | None = None  # only this sample of an n > 1 request (decode workers)
 
 
 def abort_targets(jobs: Mapping[int, object], msg: Abort) -> list:

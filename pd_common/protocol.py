@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams, validate_prompt_ids
 from protos import common_pb2, registry_pb2
 
 MAX_ROOM = (1 << 63) - 1
+MAX_SAMPLES = 16  # n of one PD request (PrefillRequest.n, DecodeRequest.n); the router's n / best_of bound
 
 
 class ServiceError(Exception):
@@ -94,6 +95,17 @@ def validate_request(room: int, input_ids: Sequence[int], sampling: common_pb2.S
     params = sampling_from_proto(sampling)
     params.validate(vocab_size, max_context, len(ids))
     return params
+
+
+def validate_samples(n: int) -> int:
+    """``PrefillRequest.n`` / ``DecodeRequest.n`` -> the number of samples (0 means 1).
+
+    Raises:
+        InvalidRequestError: field "n", above ``MAX_SAMPLES``.
+    """
+    if n > MAX_SAMPLES:
+        raise InvalidRequestError("n", f"must be in [1, {MAX_SAMPLES}] (0 = 1), got {n}")
+    return max(1, int(n))
 
 
 def token_logprob(token_id: int, logprob: float | None,

@@ -3,7 +3,7 @@
 The batch takes the next tokens of each prefilling job in admission order until the chunk budget
 (``chunked_prefill_size`` tokens) is spent, so a long prompt is computed over several iterations
 while short ones behind it still get a share. A job whose prompt is complete samples its first
-output token from the batch's logits.
+output token from the batch's logits (n first tokens, one per sample, when ``PrefillRequest.n > 1``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ import torch
 
 from engine.extend_chunks import extend_batch, next_chunks
 from engine.sampler import make_generator, sample
+from engine.sampling_params import for_sample
+from pd_common.protocol import token_logprob
 from prefill_svc.jobs import FirstToken, JobState, PrefillJob
+from protos import prefill_pb2
 from telemetry import metrics as M
 
 if TYPE_CHECKING:
@@ -67,15 +70,26 @@ class ChunkedPrefill:
             self._sample_first(logits[[i for i, _ in done]], [j for _, j in done])
 
     def _sample_first(self, logits: torch.Tensor, done: list[PrefillJob]) -> None:
+        # one row per sample: a job with n samples repeats its logits row n times, sample i with its
+        # own generator (seed + i) and matcher, so sample i equals an n=1 request with seed + i
+        owners = [(job, i) for job in done for i in range(job.n)]
+        rows = [k for k, job in enumerate(done) for _ in range(job.n)]
+        params = [for_sample(job.params, i) for job, i in owners]
         # generators on the logits' device: torch.multinomial needs them there
-        gens = [make_generator(j.params.seed, self.runner.device) if not j.params.greedy else None
-                for j in done]
-        out = sample(logits, [j.params for j in done], gens, [j.prompt_ids for j in done],
-                     [[] for _ in done], [j.grammar for j in done])
-        for k, job in enumerate(done):
-            job.first = FirstToken(out.token_ids[k], out.logprobs[k], out.top_logprobs[k])
-            if gens[k] is not None:  # D continues the same random stream
-                job.rng_state = bytes(gens[k].get_state().numpy().tobytes())
+        gens = [make_generator(p.seed, self.runner.device) if not p.greedy else None for p in params]
+        grammars = [job.grammar if i == 0 or job.grammar is None else job.sample_grammars[i - 1]
+                    for job, i in owners]
+        out = sample(logits[rows], params, gens, [job.prompt_ids for job, _ in owners],
+                     [[] for _ in owners], grammars)
+        for r, (job, i) in enumerate(owners):
+            state = bytes(gens[r].get_state().numpy().tobytes()) if gens[r] is not None else b""
+            if i:  # D continues each sample's random stream from this state
+                lp = token_logprob(out.token_ids[r], out.logprobs[r], out.top_logprobs[r])
+                job.samples.append(prefill_pb2.FirstSample(token_id=out.token_ids[r], logprob=lp,
+                                                           sampler_state=state))
+                continue
+            job.first = FirstToken(out.token_ids[r], out.logprobs[r], out.top_logprobs[r])
+            job.rng_state = state
             job.t_prefilled = time.monotonic()
             job.state = JobState.TRANSFERRING if job.dest is not None else JobState.WAIT_DEST
             self.prefilling.remove(job)

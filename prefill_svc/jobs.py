@@ -81,6 +81,8 @@ class PrefillJob:
     prompt_ids: list[int]
     params: SamplingParams
     grammar: GrammarState | None = None  # structured output: constrains the first token
+    n: int = 1                     # samples of the prompt (PrefillRequest.n): n first tokens, one logits row
+    sample_grammars: list[GrammarState | None] = field(default_factory=list)  # samples 1..n-1's matchers
     arrived: float = field(default_factory=time.monotonic)
     # how long it may wait for D's destination: the Prefill call's own deadline (D may queue the
     # request under memory pressure for longer than any fixed timeout), else --destination-timeout
@@ -98,6 +100,7 @@ class PrefillJob:
     bytes_sent: int = 0
     first: FirstToken | None = None
     rng_state: bytes = b""         # the sampler's generator state after the first token (seeded)
+    samples: list[prefill_pb2.FirstSample] = field(default_factory=list)  # samples 1..n-1's first tokens
     error: ServiceError | None = None
     aborted: str = ""              # the abort reason
     notified_ok: bool = False      # D received the ok notice, so no ok=false notice may follow

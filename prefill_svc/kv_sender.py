@@ -231,6 +231,7 @@ class DeltaSender:
         notice.first_token_id = tok
         notice.first_logprob.CopyFrom(token_logprob(tok, lp, top))
         notice.sampler_state = job.rng_state
+        notice.samples.extend(job.samples)
         if self.checksums or job.dest.msg.want_checksums:
             r2t = self.runner.req_to_token_pool.req_to_token
             slots = r2t[job.lease.row, int(job.dest.msg.pre_len): len(job.prompt_ids)]  # D's delta

@@ -16,7 +16,7 @@ import grpc
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
 from pd_common.drain import Drain
-from pd_common.protocol import MAX_ROOM, ServiceError, validate_request
+from pd_common.protocol import MAX_ROOM, ServiceError, validate_request, validate_samples
 from pd_common.tokenizer import grammar_state
 from prefill_svc.destinations import tombstone_error
 from prefill_svc.jobs import Destination, PrefillJob
@@ -51,13 +51,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             params = validate_request(request.room, request.input_ids, request.sampling,
                                       self.vocab_size, self.max_context)
             grammar = grammar_state(self.grammars, params)
+            n = validate_samples(request.n)
+            sample_grammars = [grammar_state(self.grammars, params) for _ in range(n - 1)]
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         why = self.sched.never_fits(len(request.input_ids))
         if why:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         job = PrefillJob(request_id=request.request_id, room=int(request.room),
-                         prompt_ids=list(request.input_ids), params=params, grammar=grammar)
+                         prompt_ids=list(request.input_ids), params=params, grammar=grammar,
+                         n=n, sample_grammars=sample_grammars)
         remaining = context.time_remaining()
         if remaining is not None:  # the caller's deadline bounds the wait for D's destination
             job.destination_deadline = job.arrived + remaining

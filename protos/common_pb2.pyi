@@ -80,14 +80,16 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "room", "reason")
+    __slots__ = ("request_id", "room", "reason", "sample")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     room: int
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    sample: int
+    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., reason: _Optional[str] = ..., sample: _Optional[int] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\x0bhalfmoon.v1\x1a\x13protos/common.proto\"\xbe\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.halfmoon.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x15\n\rlocal_prefill\x18\x07 \x01(\x08\"\x9d\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x1c\n\x14\x64\x65\x63ode_prefix_tokens\x18\x07 \x01(\x05\x12\x1c\n\x14kv_pages_transferred\x18\x08 \x01(\x05\x12\x1c\n\x14kv_bytes_transferred\x18\t \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\x05\x32\xcd\x01\n\x06\x44\x65\x63ode\x12\x42\n\x08Generate\x12\x1a.halfmoon.v1.DecodeRequest\x1a\x18.halfmoon.v1.DecodeChunk0\x01\x12>\n\x05\x41\x62ort\x12\x19.halfmoon.v1.AbortRequest\x1a\x1a.halfmoon.v1.AbortResponse\x12?\n\x07GetLoad\x12\x1b.halfmoon.v1.GetLoadRequest\x1a\x17.halfmoon.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\x0bhalfmoon.v1\x1a\x13protos/common.proto\"\xc9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.halfmoon.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x15\n\rlocal_prefill\x18\x07 \x01(\x08\x12\t\n\x01n\x18\x08 \x01(\r\"\xac\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x1c\n\x14\x64\x65\x63ode_prefix_tokens\x18\x07 \x01(\x05\x12\x1c\n\x14kv_pages_transferred\x18\x08 \x01(\x05\x12\x1c\n\x14kv_bytes_transferred\x18\t \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\x05\x12\r\n\x05index\x18\x0b \x01(\r2\xcd\x01\n\x06\x44\x65\x63ode\x12\x42\n\x08Generate\x12\x1a.halfmoon.v1.DecodeRequest\x1a\x18.halfmoon.v1.DecodeChunk0\x01\x12>\n\x05\x41\x62ort\x12\x19.halfmoon.v1.AbortRequest\x1a\x1a.halfmoon.v1.AbortResponse\x12?\n\x07GetLoad\x12\x1b.halfmoon.v1.GetLoadRequest\x1a\x17.halfmoon.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.decode_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=58
-  _globals['_DECODEREQUEST']._serialized_end=248
-  _globals['_DECODECHUNK']._serialized_start=251
-  _globals['_DECODECHUNK']._serialized_end=536
-  _globals['_DECODE']._serialized_start=539
-  _globals['_DECODE']._serialized_end=744
+  _globals['_DECODEREQUEST']._serialized_end=259
+  _globals['_DECODECHUNK']._serialized_start=262
+  _globals['_DECODECHUNK']._serialized_end=562
+  _globals['_DECODE']._serialized_start=565
+  _globals['_DECODE']._serialized_end=770
 # @@protoc_insertion_point(module_scope)

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "room", "input_ids", "sampling")
+    __slots__ = ("request_id", "room", "input_ids", "sampling", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     room: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("room", "decode_segment", "dst_page_ids", "pre_len", "prompt_len", "want_checksums", "decode_worker_id", "write_deadline_ms")
@@ -71,8 +73,18 @@ class PrefillResult(_message.Message):
     transfer_seconds: float
     def __init__(self, room: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., pages_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
 
+class FirstSample(_message.Message):
+    __slots__ = ("token_id", "logprob", "sampler_state")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: _common_pb2.TokenLogprob
+    sampler_state: bytes
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
+
 class KVNotice(_message.Message):
-    __slots__ = ("room", "ok", "error", "first_token_id", "first_logprob", "cached_tokens", "pages_sent", "page_checksums", "sampler_state")
+    __slots__ = ("room", "ok", "error", "first_token_id", "first_logprob", "cached_tokens", "pages_sent", "page_checksums", "sampler_state", "samples")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +94,7 @@ class KVNotice(_message.Message):
     PAGES_SENT_FIELD_NUMBER: _ClassVar[int]
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     room: int
     ok: bool
     error: str
@@ -91,4 +104,5 @@ class KVNotice(_message.Message):
     pages_sent: int
     page_checksums: _containers.RepeatedScalarFieldContainer[int]
     sampler_state: bytes
-    def __init__(self, room: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., pages_sent: _Optional[int] = ..., page_checksums: _Optional[_Iterable[int]] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
+    samples: _containers.RepeatedCompositeFieldContainer[FirstSample]
+    def __init__(self, room: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., pages_sent: _Optional[int] = ..., page_checksums: _Optional[_Iterable[int]] = ..., sampler_state: _Optional[bytes] = ..., samples: _Optional[_Iterable[_Union[FirstSample, _Mapping]]] = ...) -> None: ...

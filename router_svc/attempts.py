@@ -75,7 +75,8 @@ class Attempts:
         last: LegFailure | None = None
         legs: Legs | LocalLeg | None = None
         for attempt in range(self.max_attempts):
-            local = self.local_prefill and self.local_prefill.choose(
+            # n > 1 needs P's n first tokens: D alone samples one (decode_svc/fork.py)
+            local = self.local_prefill and prep.best_of == 1 and self.local_prefill.choose(
                 self.pool.by_role(PREFILL), self.pool.by_role(DECODE), prep.input_ids, tried)
             try:
                 if local:

@@ -147,13 +147,23 @@ class Dispatcher:
             self.count("queue_full" if exc.err_code == "queue_full" else "rate_limited", arrival, tenant)
             raise
 
+    @property
+    def background(self) -> set:
+        """The dispatcher's background tasks (Abort calls of closed legs): a caller that closes legs
+        itself (router_svc/fanout.py) adds its tasks here, so they are awaited at shutdown."""
+        return self._background
+
+    async def open_pair(self, prep: PreparedRequest, handle: Inflight, abort_wait: asyncio.Future,
+                        deadline: float):
+        """One request's pair and D's first chunk, retried as :meth:`generate` does, for the fan-out
+        of n samples (router_svc/fanout.py), which relays the chunks itself: (legs, first chunk or
+        None when aborted, attempts - 1). Raises RouterError."""
+        return await self.attempts.open(prep, handle, abort_wait, deadline, set())
+
     async def generate(self, prep: PreparedRequest, timeout: float | None = None, arrival: float | None = None,
-                       ticket: Ticket | None = None,
-                       prefilled: asyncio.Event | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
+                       ticket: Ticket | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream responses for a validated request; ``ticket`` (from :meth:`admit`) leaves the
-        admission queue at the first token and is closed at the end in any case; ``prefilled`` is
-        set once the serving attempt's Prefill call returned (P has released the job: its prompt
-        pages are in P's radix cache), or at the first token when D prefilled the prompt itself.
+        admission queue at the first token and is closed at the end in any case.
 
         Yields GenerateResponse messages: token ids, text delta (UTF-8 safe, stop strings removed),
         logprobs; the last one carries ``finish_reason`` ("stop" | "length" | "abort") and usage.
@@ -187,11 +197,6 @@ class Dispatcher:
                 return
             if ticket is not None:
                 ticket.started()
-            if prefilled is not None:
-                if legs.p_task is None:
-                    prefilled.set()
-                else:
-                    legs.p_task.add_done_callback(lambda _task: prefilled.set())
             state = StreamState(prep, self.migration_limit, retries=attempt)
             async for resp in self.relay.stream(state, legs, first, abort_wait, handle, deadline, start):
                 if resp.finish_reason:

@@ -1,21 +1,23 @@
 """n samples of one prompt (OpenAI ``n`` / ``best_of``, gRPC ``GenerateRequest.n`` / ``best_of``;
 docs/architecture.md, Router, n samples).
 
-Each sample is one PD request of the dispatcher (its own room, P and D legs, retries), with the
-worker request id ``<id>#<i>`` and, when the request has a ``seed``, the seed ``(seed + i) mod 2**64``:
-sample i of a seeded request equals an ``n=1`` request with seed ``seed + i``. Greedy samples are
-identical. Sample 0 runs first; the others start once its first token arrived and its Prefill call
-returned: by then D (at commit) and P (when it released the job) hold the prompt's full pages in
-their radix caches, so every later sample on the same workers matches them: P computes only the last partial page,
-no full page crosses the wire again, and D's samples share those pages under lock counts (each
-sample owns only its tail and decode pages). An abort or retraction of one sample unlocks only its
-own reference. The policies usually pick the same pair for the same prompt (``cache_aware``
-remembers its picks, ``kv_events`` sees the cached pages); a sample placed elsewhere just
-prefills there.
+**One PD request** with ``n = best_of`` (``PrefillRequest.n``, ``DecodeRequest.n``): P prefills the
+prompt once and samples best_of first tokens from its last logits row (sample i with the seed
+``(seed + i) mod 2**64``, so seeded sample i equals an ``n=1`` request with seed ``seed + i``;
+greedy samples are identical), the prompt's pages move to D once, and D forks the request into its
+samples, which share the prompt's pages (decode_svc/fork.py). D's one stream carries every
+sample's chunks, each naming its sample (``DecodeChunk.index``); this module demultiplexes them
+into choices: each has its own detokenizer (stop strings), finish reason, logprobs and usage
+(the prompt's pages are counted in sample 0's ``kv_pages_transferred`` only).
 
-The client's id is held for the whole fan-out: ``Router.Abort`` of it, a client cancel or a
-disconnect ends every sample (each answers ``finish_reason`` abort), and a sample that fails fails
-the request (the others are cancelled and aborted on their workers).
+The client's id is held for the whole request, and so is ``<id>#<i>`` for each sample:
+``Router.Abort`` of the id, a client cancel or a disconnect ends every sample (each answers
+``finish_reason`` abort); ``Router.Abort`` of ``<id>#<i>`` ends sample i alone on D
+(``AbortRequest.sample``), the others run on. A stop string the router matches first ends that
+sample the same way. Failures before the first token are retried as for any request
+(``Dispatcher.open_pair``); D failing after tokens were sent fails the request with UNAVAILABLE:
+an ``n > 1`` stream is not migrated (its samples' generator states and shared pages live on that
+D). Never sent to D alone (conditional disaggregation): D would sample one first token.
 
 ``best_of > n``: best_of samples run with logprobs on, and once all have finished the n with the
 highest cumulative logprob (sum over the sample's tokens; ties: lower index) are yielded, re-indexed
@@ -26,138 +28,199 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import AsyncIterator
 
+import grpc
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import sample_seed
 from protos import common_pb2, router_pb2
 from router_svc.admission import Ticket
 from router_svc.dispatch import Dispatcher
+from router_svc.relay import detokenize_chunk
+from router_svc.errors import RouterError
+from router_svc.legs import Legs, code_of, discard, send_aborts
+from router_svc.migration import StreamState
 from router_svc.validation import PreparedRequest
-
-SEED_MOD = 2**64
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of sample ``index`` of a request seeded with ``seed``: ``(seed + index) mod 2**64``."""
-    return (seed + index) % SEED_MOD
+from telemetry import metrics as M
 
 
-def sample_request(prep: PreparedRequest, index: int, logprobs: bool = False) -> PreparedRequest:
-    """Sample ``index`` of ``prep`` as a request of its own (id ``<id>#<index>``, derived seed,
-    ``logprobs`` forced on when asked)."""
+def pd_request(prep: PreparedRequest, logprobs: bool = False) -> PreparedRequest:
+    """The one PD request of ``prep``'s best_of samples (``logprobs`` forced on when asked)."""
+    if not logprobs:
+        return prep
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(prep.sampling)
-    if sampling.HasField("seed"):
-        sampling.seed = sample_seed(sampling.seed, index)
-    if logprobs:
-        sampling.logprobs = True
-    return dataclasses.replace(prep, request_id=f"{prep.request_id}#{index}", sampling=sampling, n=1, best_of=1)
+    sampling.logprobs = True
+    return dataclasses.replace(prep, sampling=sampling)
 
 
-@dataclasses.dataclass
-class _End:
-    """A sample's stream ended (``exc``: the error it ended with)."""
+@dataclasses.dataclass(eq=False)
+class _Sample:
+    """One sample's side of the relay."""
     index: int
-    exc: BaseException | None = None
-
-
-async def _pump(index: int, stream: AsyncIterator[router_pb2.GenerateResponse], queue: asyncio.Queue) -> None:
-    try:
-        async for resp in stream:
-            await queue.put((index, resp))
-        await queue.put(_End(index))
-    except Exception as exc:  # RouterError and the like: the fan-out re-raises it
-        await queue.put(_End(index, exc))
-    finally:
-        await stream.aclose()
+    detok: IncrementalDetokenizer
+    state: StreamState
+    handle: object            # the dispatcher's handle of "<id>#<index>" (its Router.Abort)
+    aborted: asyncio.Future   # ... set
+    finish: str = ""
+    abort_sent: bool = False  # its Router.Abort went on to D
 
 
 async def samples(dispatcher: Dispatcher, prep: PreparedRequest, timeout: float | None = None,
                   arrival: float | None = None, ticket: Ticket | None = None,
                   logprobs: bool = False) -> AsyncIterator[tuple[int, router_pb2.GenerateResponse]]:
-    """Run ``prep.best_of`` samples; yield ``(index, response)`` in arrival order, interleaved.
+    """Run ``prep.best_of`` samples as one PD request; yield ``(index, response)`` as they stream.
 
-    Each sample's last response has its finish_reason and usage (the prompt counted in each).
-    ``ticket`` goes with sample 0 (it leaves the admission queue at the first token).
+    Each sample's last response has its finish_reason and its usage (the prompt in each; the KV
+    pages moved in sample 0's). ``ticket`` leaves the admission queue at the first token.
 
     Raises:
-        RouterError: ALREADY_EXISTS for a running request id, or the first error of any sample
-            (the others are then ended).
+        RouterError: ALREADY_EXISTS for a running request id (or sample id), UNAVAILABLE (no pair,
+            or D failed after tokens were sent: not migrated), DEADLINE_EXCEEDED, and the workers'
+            client errors, as ``Dispatcher.generate``.
     """
+    start = arrival or time.monotonic()
+    deadline = start + (timeout if timeout is not None else dispatcher.request_timeout)
     rid, tenant, count = prep.request_id, prep.tenant, prep.best_of
+    ids = [rid] + [f"{rid}#{i}" for i in range(count)]
+    handles = []
     try:
-        handle = dispatcher.reserve(tenant, rid)
-    except Exception:
+        for i in ids:
+            handles.append(dispatcher.reserve(tenant, i))
+    except RouterError:
+        for i in ids[:len(handles)]:
+            dispatcher.release(tenant, i)
         if ticket is not None:
             ticket.close()
         raise
-    children = [sample_request(prep, i, logprobs) for i in range(count)]
-    queue: asyncio.Queue = asyncio.Queue()
-    tasks: list[asyncio.Task] = []
-
-    prefilled = asyncio.Event()   # sample 0's Prefill returned: P holds the prompt's pages
-
-    def start(i: int) -> None:
-        stream = dispatcher.generate(children[i], timeout=timeout, arrival=arrival, ticket=ticket if i == 0 else None,
-                                     prefilled=prefilled if i == 0 else None)
-        tasks.append(asyncio.ensure_future(_pump(i, stream, queue)))
-
-    def abort_started() -> None:
-        for child in children[:len(tasks)]:
-            dispatcher.abort(child.request_id, handle.reason, tenant)
-
+    handle = handles[0]
+    pd = pd_request(prep, logprobs)
+    M.ROUTER_IN_FLIGHT.inc()
+    M.ROUTER_PROMPT_TOKENS.labels(tenant=tenant).inc(len(prep.input_ids))
     abort_wait = asyncio.ensure_future(handle.aborted.wait())
-    prefilled_wait = asyncio.ensure_future(prefilled.wait())
-    get: asyncio.Task | None = None
-    first_seen = ended0 = False
+    waits = [asyncio.ensure_future(h.aborted.wait()) for h in handles[1:]]
     try:
-        start(0)
-        live = 1
-        while live:
-            get = asyncio.ensure_future(queue.get())
-            waits = {get, abort_wait} | ({prefilled_wait} if len(tasks) == 1 and not prefilled_wait.done() else set())
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if abort_wait.done() and not get.done():
-                abort_started()   # each started sample answers its own finish "abort"
-                await asyncio.wait({get})
-            if get.done():
-                item = get.result()
-                if isinstance(item, _End):
-                    if item.exc is not None:
-                        raise item.exc
-                    live -= 1
-                    ended0 = ended0 or item.index == 0
-                else:
-                    index, resp = item
-                    first_seen = first_seen or index == 0
-                    resp.request_id = rid   # the client's id, not the sample's
-                    if handle.aborted.is_set() and not resp.finish_reason:
-                        abort_started()   # a sample that registered after the abort
-                    yield index, resp
-            else:   # only sample 0's prefill returned
-                get.cancel()
-            get = None
-            # the others start once sample 0's prompt pages are in D's radix cache (its first token:
-            # D committed them) and in P's (its Prefill returned), or once it ended
-            ready = (first_seen and prefilled.is_set()) or ended0 or handle.aborted.is_set()
-            if len(tasks) == 1 and count > 1 and ready:
-                if handle.aborted.is_set():
-                    for i in range(1, count):
-                        yield i, router_pb2.GenerateResponse(request_id=rid, finish_reason="abort",
-                                                             usage=router_pb2.Usage(prompt_tokens=len(prep.input_ids)))
-                    count = 1
-                else:
-                    for i in range(1, count):
-                        start(i)
-                    live += count - 1
+        legs, first, attempt = await dispatcher.open_pair(pd, handle, abort_wait, deadline)
+        if first is None:   # aborted before the first token
+            handle.status = "cancelled"
+            for i in range(count):
+                yield i, router_pb2.GenerateResponse(request_id=rid, finish_reason="abort",
+                                                     usage=router_pb2.Usage(prompt_tokens=len(prep.input_ids)))
+            return
+        if ticket is not None:
+            ticket.started()
+        ss = [_Sample(i, IncrementalDetokenizer(dispatcher.tok.backend, pd.input_ids, pd.stop),
+                      StreamState(pd, 0, retries=attempt), handles[i + 1], waits[i]) for i in range(count)]
+        async for item in _relay(dispatcher, legs, first, ss, handle, abort_wait, deadline, start):
+            yield item
+    except RouterError as exc:
+        if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            handle.status = "timeout"
+        raise
+    except (asyncio.CancelledError, GeneratorExit):
+        handle.status = "cancelled"
+        raise
     finally:
-        abort_wait.cancel()
-        prefilled_wait.cancel()
-        if get is not None:
-            get.cancel()
-        for t in tasks:
-            t.cancel()   # a running sample's generator closes its legs and aborts them on the workers
-        await asyncio.gather(*tasks, return_exceptions=True)
-        dispatcher.release(tenant, rid)
+        for w in [abort_wait, *waits]:
+            w.cancel()
+        if ticket is not None:
+            ticket.close()
+        if handle.legs is not None and not handle.legs.closed:
+            handle.legs.close(abort=True, reason=handle.reason or "client went away",
+                              background=dispatcher.background)
+        for i in ids:
+            dispatcher.release(tenant, i)
+        M.ROUTER_IN_FLIGHT.dec()
+        dispatcher.count(handle.status, start, tenant)
+
+
+async def _relay(dispatcher: Dispatcher, legs: Legs, first, ss: list[_Sample], handle, abort_wait: asyncio.Future,
+                 deadline: float, start: float) -> AsyncIterator[tuple[int, router_pb2.GenerateResponse]]:
+    """D's chunks of every sample, demultiplexed by ``DecodeChunk.index``, until all finished."""
+    prep = ss[0].state.prep
+    meta = dict(request_id=prep.request_id, prefill_worker=legs.p.worker_id, decode_worker=legs.d.worker_id)
+
+    def end_on_d(s: _Sample, reason: str) -> None:
+        send_aborts(prep, legs.room, reason, (legs.d,), dispatcher.background, sample=s.index)
+
+    def usage(s: _Sample) -> router_pb2.Usage:
+        return s.state.finish(legs.p_done() if s.index == 0 else None)   # P's pages: once
+
+    chunk, read, ttft = first, None, True
+    try:
+        while True:
+            if chunk is None:
+                read = read or legs.read()
+                for s in ss:   # D answers each with the sample's finish "abort"
+                    if s.aborted.done() and not s.abort_sent and not s.finish:
+                        s.abort_sent = True
+                        end_on_d(s, s.handle.reason or "aborted by client")
+                pending = {read, abort_wait} | {s.aborted for s in ss if not s.abort_sent and not s.finish}
+                done, _ = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"deadline passed after {sum(s.state.n_tokens for s in ss)} tokens")
+                if abort_wait in done:
+                    legs.close(abort=True, reason=handle.reason, background=dispatcher.background)
+                    handle.status = "cancelled"
+                    for s in ss:
+                        if not s.finish:
+                            yield s.index, router_pb2.GenerateResponse(
+                                text=s.detok.flush(), finish_reason="abort", usage=usage(s), **meta)
+                    return
+                if read not in done:
+                    continue
+                exc = read.exception() if not read.cancelled() else asyncio.CancelledError()
+                chunk, read = (read.result() if exc is None else None), None
+                if exc is not None or chunk is grpc.aio.EOF:
+                    code, detail = code_of(exc) if exc is not None else (grpc.StatusCode.UNAVAILABLE,
+                                                                          "stream ended before every sample finished")
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                      f"decode worker {legs.d.worker_id} ({legs.d.address}) failed after tokens were "
+                                      f"sent: {code.name}: {detail}; not migrated: the {len(ss)} samples of an "
+                                      "n > 1 request share one decode stream")
+                if not chunk.token_ids and not chunk.finish_reason:
+                    chunk = None   # a keepalive: D sends them only before the first token
+                    continue
+            if chunk.index >= len(ss):
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode worker {legs.d.worker_id} sent sample "
+                                  f"{chunk.index} of a request with {len(ss)}")
+            s = ss[chunk.index]
+            if s.finish:   # the router ended it at a stop string first: D's rest is not the client's
+                chunk = None
+                continue
+            token_ids, logprobs, text = detokenize_chunk(s.detok, chunk)
+            s.state.add(chunk, token_ids)
+            finish, matched = chunk.finish_reason, chunk.matched_stop
+            if s.detok.stopped:
+                finish, matched = "stop", s.detok.stop_reason
+            resp = router_pb2.GenerateResponse(token_ids=token_ids, logprobs=logprobs, **meta)
+            if finish:
+                text += s.detok.flush(matched or None)
+                matched = s.detok.stop_reason or matched
+                if not chunk.finish_reason:
+                    end_on_d(s, "stop string matched")
+                s.finish = finish
+                resp.finish_reason, resp.matched_stop = finish, matched or ""
+                resp.usage.CopyFrom(usage(s))
+            resp.text = text
+            if token_ids:
+                if ttft:
+                    M.ROUTER_TTFT.labels(tenant=prep.tenant).observe(time.monotonic() - start)
+                    ttft = False
+                M.ROUTER_COMPLETION_TOKENS.labels(tenant=prep.tenant).inc(len(token_ids))
+            yield s.index, resp
+            if all(x.finish for x in ss):
+                legs.close(abort=False, reason="", background=dispatcher.background)
+                handle.status = "cancelled" if all(x.finish == "abort" for x in ss) else "ok"
+                return
+            chunk = None
+    finally:
+        if read is not None:
+            discard(read)
 
 
 def cumulative_logprob(responses: list[router_pb2.GenerateResponse]) -> float:
@@ -190,4 +253,4 @@ async def generate_n(dispatcher: Dispatcher, prep: PreparedRequest, timeout: flo
             yield new, resp
 
 
-__all__ = ["generate_n", "samples", "sample_request", "sample_seed", "cumulative_logprob"]
+__all__ = ["generate_n", "samples", "pd_request", "sample_seed", "cumulative_logprob"]

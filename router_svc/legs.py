@@ -30,9 +30,10 @@ class Legs:
         self.prep, self.p, self.d, self.room = prep, p, d, room
         dreq = decode_pb2.DecodeRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
                                         sampling=prep.sampling, prefill_address=p.address,
-                                        prefill_worker_id=p.worker_id)
+                                        prefill_worker_id=p.worker_id, n=prep.best_of)
+        # best_of samples: one prefill, n first tokens, D forks (router_svc/fanout.py)
         preq = prefill_pb2.PrefillRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
-                                          sampling=prep.sampling)
+                                          sampling=prep.sampling, n=prep.best_of)
         self.d_call = d.stub.Generate(dreq, timeout=timeout)
         self.p_task: asyncio.Task = asyncio.ensure_future(p.stub.Prefill(preq, timeout=timeout))
         self.p_result: prefill_pb2.PrefillResult | None = None
@@ -96,10 +97,11 @@ class LocalLeg:
             send_aborts(self.prep, self.room, reason, (self.d,), background)
 
 
-def send_aborts(prep: PreparedRequest, room: int, reason: str, workers, background: set) -> None:
+def send_aborts(prep: PreparedRequest, room: int, reason: str, workers, background: set,
+                sample: int | None = None) -> None:
     """Abort(request_id, room) to each of ``workers`` in the background (tasks kept in ``background``
-    until done)."""
-    req = common_pb2.AbortRequest(request_id=prep.worker_request_id, room=room, reason=reason)
+    until done); ``sample``: only that sample of an n > 1 request (decode workers)."""
+    req = common_pb2.AbortRequest(request_id=prep.worker_request_id, room=room, reason=reason, sample=sample)
     for w in workers:
         t = asyncio.ensure_future(abort_leg(w, req))
         background.add(t)

@@ -139,9 +139,8 @@ class Choice:
 
 
 def usage(choices: list[Choice]) -> dict:
-    """OpenAI ``usage`` of finished choices: the prompt once (its cached tokens: the fewest any
-    sample found, i.e. what the first sample found before it cached the prompt), completion tokens
-    summed over the choices."""
+    """OpenAI ``usage`` of finished choices: the prompt once (the samples are one prefill, so they
+    report the same cached tokens; the fewest is taken), completion tokens summed over the choices."""
     us = [c.last.usage for c in choices if c.last is not None]
     prompt = max((u.prompt_tokens for u in us), default=0)
     completion = sum(u.completion_tokens for u in us)

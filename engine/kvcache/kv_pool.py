@@ -155,6 +155,13 @@ class KVPool:
         self.k_buffers[layer][page, off] = k.to(self.dtype)
         self.v_buffers[layer][page, off] = v.to(self.dtype)
 
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K and V of pages ``src`` into pages ``dst`` (int64 [N] page ids each,
+        any device; distinct ``dst`` pages, none of them in ``src``): one index copy per buffer."""
+        src, dst = src.to(self.device), dst.to(self.device)
+        for buf in self.buffers():
+            buf.index_copy_(0, dst, buf.index_select(0, src))
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``layer`` at ``slots`` (int64, any shape S): two new ``[*S, num_kv_heads,
         head_dim]`` tensors in the pool dtype (a gather, for the torch attention backend)."""

@@ -1,7 +1,7 @@
 """``n`` > 1, ``best_of`` and ``echo`` end to end on 1 prefill + 1 decode through the router (real
 processes, real ``openai`` client, gRPC ``GenerateRequest.n``): greedy samples are identical, seeded
 sample i equals an n=1 request with seed + i, streamed equals non-streamed, usage counts the prompt
-once, later samples reuse the prompt's pages on P and D, aborting one sample leaves the others,
+once, the n samples are one prefill whose pages move to D once, aborting one sample leaves the others,
 aborting the request ends all, and the KV accounting is idle after. One stack for the module."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
 import pytest
 
-from protos import common_pb2, router_pb2
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
 from tests.e2e.conftest import stack_fixture, worker_targets
 from tests.integration.conftest import MODEL, assert_idle_accounting
 
@@ -136,26 +137,38 @@ def _grpc(stub, n: int, rid: str = "", text: str = PROMPT, **sampling):
     return by
 
 
-def test_grpc_n3_indexes_and_later_samples_reuse_the_prompt_pages(stub, stack):
-    # a fresh prompt of 3 full pages + a partial one (page_size 16): sample 0 prefills it, then
-    # 1 and 2 find the full pages in P's and D's radix caches and only the partial page moves
-    # (a fixed text, used by no other test of the module: a random id made its length a whole
-    # number of pages one time in 16, and P's hit is capped at len - 1 tokens)
+def _counter(stack, role: str, name: str) -> float:
+    """Sum of a counter on every worker of ``role`` (its /metrics)."""
+    total = 0.0
+    for w in stack.endpoints[role]:
+        text = urllib.request.urlopen(f"http://{w['metrics']}/metrics", timeout=10).read().decode()
+        total += sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    return total
+
+
+def test_grpc_n3_is_one_prefill_and_the_prompt_pages_move_once(stub, stack):
+    # a fresh prompt of 3 full pages + a partial one (page_size 16): P prefills it once and samples
+    # 3 first tokens, the 4 pages move to D once, and D's samples 1, 2 share the full pages (their
+    # decode prefix) with a copy of the partial one (a fixed text, used by no other test of the module)
     prompt = "Request grpc-n3, three samples: " + "the quick brown fox jumps over the lazy dog " * 5
+    before = {(r, m): _counter(stack, r, m) for r, m in _ONE_PREFILL}
     by = _grpc(stub, 3, rid="grpc-n3", text=prompt, max_tokens=6)
     assert sorted(by) == [0, 1, 2]
     ids = [[t for r in by[i] for t in r.token_ids] for i in range(3)]
     assert ids[0] == ids[1] == ids[2] and len(ids[0]) == 6
     usage = [by[i][-1].usage for i in range(3)]
     assert all(r.request_id == "grpc-n3" for i in by for r in by[i])
-    full = usage[0].prompt_tokens // 16 * 16
-    assert usage[0].prompt_tokens % 16, "the prompt must end in a partial page"
-    assert usage[0].prompt_tokens > 48 and usage[0].decode_prefix_tokens == 0 and usage[0].cached_tokens == 0
-    for u in usage[1:]:
-        assert u.decode_prefix_tokens == full, u          # D: the shared prompt pages
-        assert u.cached_tokens == full, u                 # P: computed only the tail
-        assert u.kv_pages_transferred == 1, u             # the partial last page alone
+    n = usage[0].prompt_tokens
+    assert n % 16 and n > 48, "the prompt must end in a partial page"
+    for (role, metric), was in before.items():   # exactly one prefill, one pre-allocation
+        assert _counter(stack, role, metric) - was == n, (role, metric)
+    assert [u.cached_tokens for u in usage] == [0, 0, 0]                  # P computed it, once
+    assert [u.kv_pages_transferred for u in usage] == [-(-n // 16), 0, 0]  # the prompt's pages, once
+    assert [u.decode_prefix_tokens for u in usage] == [0, n // 16 * 16, n // 16 * 16]  # shared on D
     assert_idle_accounting(worker_targets(stack), credentials=stack.credentials.client())
+
+
+_ONE_PREFILL = (("prefill", "halfmoon_prefill_prompt_tokens_total"), ("decode", "halfmoon_decode_prompt_tokens_total"))
 
 
 class _AbortWhenRunning(threading.Thread):
@@ -216,3 +229,25 @@ def test_bad_sample_counts_are_400_naming_them(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **kw)
         assert e.value.body["param"] == param, (kw, e.value.body)
+
+
+def test_workers_refuse_bad_sample_counts_naming_n(stack, tok):
+    """P and D check ``n`` before anything is allocated: above the bound, and n > 1 on D without a
+    prefill leg (local_prefill samples one first token)."""
+    ids = tok.encode(PROMPT)
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=2)
+    targets = dict(worker_targets(stack))
+    creds = stack.credentials.client()
+    with creds.channel(targets["prefill"]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                request_id="bad-n", room=7, input_ids=ids, sampling=sampling, n=17), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("n:")
+    with creds.channel(targets["decode"]) as ch:
+        for n, local in ((17, False), (2, True)):
+            req = decode_pb2.DecodeRequest(request_id="bad-n", room=8, input_ids=ids, sampling=sampling, n=n,
+                                           local_prefill=local, prefill_address="" if local else "127.0.0.1:1")
+            with pytest.raises(grpc.RpcError) as e:
+                list(decode_pb2_grpc.DecodeStub(ch).Generate(req, timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("n:"), n
+    assert_idle_accounting(worker_targets(stack), credentials=creds)

@@ -179,3 +179,18 @@ def test_freed_pages_come_back_as_ascending_runs():
     first = alloc.alloc(32)
     alloc.free(first[10:20][::-1])  # freed newest-first, as a request's release may do
     assert alloc.alloc(10) == list(range(10, 20))
+
+
+@pytest.mark.parametrize("layout", ["page_major", "layer_major"])
+def test_copy_pages_copies_every_layer_k_and_v_and_nothing_else(layout):
+    pool = KVPool(8, 4, 3, 2, 8, torch.float32, layout=layout)
+    for b in pool.buffers():
+        b.copy_(torch.randn(b.shape))
+    before = [b.clone() for b in pool.buffers()]
+    pool.copy_pages(torch.tensor([1, 2]), torch.tensor([6, 5]))
+    for layer in range(3):
+        for pages in (pool.k_pages(layer), pool.v_pages(layer)):
+            assert torch.equal(pages[6], pages[1]) and torch.equal(pages[5], pages[2])
+    keep = [0, 1, 2, 3, 4, 7]
+    for old, now in zip(before, pool.buffers()):   # only pages 5 and 6 changed
+        assert torch.equal(old[keep], now[keep]) and not torch.equal(old[5], now[5])

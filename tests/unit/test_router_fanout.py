@@ -4,7 +4,7 @@ import pytest
 
 from protos import common_pb2
 from router_svc.errors import RouterError
-from router_svc.fanout import sample_request, sample_seed
+from router_svc.fanout import pd_request, sample_seed
 from router_svc.validation import MAX_SAMPLES, PreparedRequest, sample_counts
 
 
@@ -17,17 +17,15 @@ def test_sample_seeds_are_seed_plus_index_modulo_2_64():
     assert [sample_seed(7, i) for i in range(3)] == [7, 8, 9]
     top = 2**64 - 1
     assert sample_seed(top, 1) == 0          # still a uint64: SamplingParams.seed takes it
-    s = sample_request(_prep(seed=top, temperature=1.0), 2)
-    assert s.sampling.seed == 1 and s.sampling.temperature == 1.0
 
 
-def test_sample_request_is_its_own_request_and_leaves_the_parent():
+def test_pd_request_is_one_request_of_best_of_samples_and_leaves_the_parent():
     parent = _prep(seed=5)
-    s = sample_request(parent, 1, logprobs=True)
-    assert (s.request_id, s.worker_request_id, s.n, s.best_of) == ("r#1", "t/r#1", 1, 1)
-    assert s.sampling.logprobs and s.sampling.seed == 6
-    assert parent.sampling.seed == 5 and not parent.sampling.logprobs
-    assert not sample_request(_prep(), 1).sampling.HasField("seed")   # unseeded stays unseeded
+    pd = pd_request(parent, logprobs=True)
+    assert (pd.request_id, pd.n, pd.best_of) == ("r", 3, 3)
+    assert pd.sampling.logprobs and pd.sampling.seed == 5     # P and D derive each sample's seed
+    assert not parent.sampling.logprobs
+    assert pd_request(parent) is parent
 
 
 def test_sample_counts():
