@@ -305,6 +305,28 @@ def test_stop_string_with_dummy_weights(client, served_model, cases, tok):
     assert r.choices[0].text == full[:full.index(word)]
 
 
+@pytest.mark.parametrize("kind, grammar, check", [
+    ("regex", r"(yes|no), [0-9]{2}\.", lambda t: re.fullmatch(r"(yes|no), [0-9]{2}\.", t)),
+    ("ebnf", 'root ::= "red" | "green" | "blue"', lambda t: t in ("red", "green", "blue")),
+    ("json_schema", json.dumps({"type": "object", "properties": {"c": {"enum": ["a", "b"]}}, "required": ["c"],
+                                "additionalProperties": False}),
+     lambda t: json.loads(t)["c"] in ("a", "b")),
+], ids=["regex", "ebnf", "json_schema"])
+def test_grammar_bitmask_on_the_logits_device(stub, kind, grammar, check):
+    """The xgrammar bitmask is applied where the logits are (engine/grammar.py: CUDA on the GPU
+    path): with dummy weights only the grammar can make the output match, on P's first token and
+    on every token D samples after it."""
+    from protos import common_pb2, router_pb2
+
+    s = common_pb2.SamplingParams(temperature=0, max_tokens=48)
+    setattr(s.structured, kind, grammar)
+    resps = list(stub.Generate(router_pb2.GenerateRequest(request_id=f"gpu-grammar-{kind}", text="Answer:",
+                                                          sampling=s), timeout=300))
+    text = "".join(r.text for r in resps)
+    assert resps[-1].finish_reason == "stop", (kind, text, resps[-1].finish_reason)
+    assert check(text), (kind, text)
+
+
 def test_kv_accounting_idle_after_everything(stack):
     from tests.e2e.conftest import worker_targets
 
