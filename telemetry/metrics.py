@@ -263,6 +263,10 @@ PREFILL_COMPUTE_SECONDS = Histogram(
 # --- transfer (sender side: the prefill process) -----------------------------------------------
 TRANSFER_PAGES = Counter(
     "halfmoon_transfer_pages_total", "KV pages written to decode peers (sender side).", registry=_R)
+TRANSFER_RANK_PAGES = Counter(
+    "halfmoon_transfer_rank_pages_total",
+    "KV pages submitted per (prefill rank, decode rank) pair under tensor parallelism (each moves "
+    "its kv-head slice of the page).", ["src_rank", "dst_rank"], registry=_R)
 TRANSFER_BYTES = Counter(
     "halfmoon_transfer_bytes_total", "KV bytes written to decode peers (sender side).", registry=_R)
 TRANSFER_BATCH_SECONDS = Histogram(
@@ -405,7 +409,7 @@ METRICS_BY_GROUP: dict[str, tuple] = {
                ROUTER_AUTH_FAILURES, ROUTER_LOCAL_PREFILLS),
     "prefill": (PREFILL_QUEUE, PREFILL_PROMPT_TOKENS, PREFILL_CACHED_TOKENS, PREFILL_BATCH_SIZE,
                 PREFILL_BATCH_TOKENS, PREFILL_COMPUTE_SECONDS),
-    "transfer": (TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES),
+    "transfer": (TRANSFER_PAGES, TRANSFER_RANK_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES),
     "decode": (DECODE_QUEUE, DECODE_RUNNING, DECODE_KV_USAGE, DECODE_KV_PAGES, DECODE_PROMPT_TOKENS,
                DECODE_PREFIX_HIT_TOKENS, DECODE_GENERATED_TOKENS, DECODE_EVICTED_PAGES,
                DECODE_KV_CHECKSUM_MISMATCHES, DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES,
