@@ -22,6 +22,7 @@ from engine.distributed.follower import parse_args, run_follower
 from pd_common.head_slices import PageShape, RankWrite, slice_descriptors
 from protos import registry_pb2
 from transfer_svc.rank_regions import RankRegion
+from transfer_svc.types import State
 
 log = logging.getLogger("halfmoon.worker.tp")
 
@@ -130,7 +131,7 @@ class WriteAgent:
         for bid in bids:
             st = self.engine.wait(bid)
             self.engine.release(bid)
-            if st.reason or st.state.name != "COMPLETED":
+            if st.state is not State.COMPLETED:
                 reasons.append(f"rank {self.me.rank}: {st.reason or st.state.name}")
         try:
             self.group.reply(WriteReply(cid, not reasons, "; ".join(reasons), puts, nbytes).encode())

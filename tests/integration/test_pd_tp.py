@@ -102,6 +102,8 @@ def test_a_shared_prefix_moves_only_the_delta_through_every_rank_pair(stack, pro
     hit = second.batches[0]["pre_len"]
     assert hit >= PAGE and first.batches[0]["pre_len"] == 0  # the second prompt hit D's radix cache
     assert second.chunks[0].decode_prefix_tokens == hit
+    page_bytes = 2 * 30 * PAGE * 3 * 64 * 4  # SmolLM2: 30 layers, 3 kv heads of 64, float32: every rank's
+    assert second.chunks[-1].kv_bytes_transferred == second.chunks[-1].kv_pages_transferred * page_bytes
     assert_idle_accounting(stack)
 
 

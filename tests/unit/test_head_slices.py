@@ -113,3 +113,19 @@ def test_a_single_rank_descriptor_is_one_region_with_every_head():
     d = _desc("old", b"a" * 16, 1 << 20)
     d.kv_layout.tp_size = 0
     assert rank_regions(d) == [RankRegion(0, 0, KV, 1 << 20, 4096)]
+
+
+def test_the_router_pairs_pools_of_any_tp_split_and_refuses_other_heads():
+    """router_svc/worker.py compares the published layouts, which describe every rank's kv heads."""
+    from engine.kvcache.kv_pool import KVPool
+    from pd_common.protocol import kv_layout
+    from router_svc.worker import kv_page_bytes, kv_signature
+
+    def layout(heads, tp, total):
+        return kv_layout(KVPool(4, PS, LAYERS, heads, HD, torch.float32, torch.device("cpu")), "m", tp, total)
+
+    one, rank0_of_two = layout(KV, 1, None), layout(2, 2, KV)
+    assert kv_signature(one) == kv_signature(rank0_of_two) and rank0_of_two.tp_size == 2 and one.tp_size == 0
+    assert kv_page_bytes(one) == kv_page_bytes(rank0_of_two) == SHAPE.stride(KV)
+    assert PageShape.from_layout(rank0_of_two) == SHAPE
+    assert kv_signature(layout(2, 2, 4)) != kv_signature(one)  # other kv heads: cannot map, never paired
