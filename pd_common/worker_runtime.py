@@ -254,6 +254,7 @@ class Worker:
         hook that stops this worker."""
         import queue
 
+        from engine.distributed.shard import plan_shard
         from pd_common.tp_rank import local_region
         from protos import registry_pb2
         from transfer_svc.rank_regions import RankRegion
@@ -271,8 +272,6 @@ class Worker:
             desc = registry_pb2.SegmentDescriptor.FromString(data)
             self.rank_descriptors.append(desc)
             region = desc.regions[0]
-            from engine.distributed.shard import plan_shard
-
             lo, hi = plan_shard(runner.model_config, r, runner.tp.size).kv_heads
             self.rank_regions.append(RankRegion(r, lo, hi, int(region.base), int(region.length)))
 
