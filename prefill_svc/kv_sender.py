@@ -167,10 +167,12 @@ class DeltaSender:
         """Why a tensor-parallel pair cannot take ``dest`` (checks cover one rank's heads), or None."""
         if dest.segment.kv_layout.tp_size > 1 and self.rank_writer is None:
             return "decode runs tensor-parallel; this prefill worker writes to single-rank pools only"
-        if self._per_rank(dest) and (self.checksums or dest.msg.want_checksums):
+        if not self._per_rank(dest):
+            return None
+        if self.checksums or dest.msg.want_checksums:
             return ("page checksums cover one rank's kv heads: --kv-checksums is not supported "
                     "with tensor parallelism (--tp)")
-        return None
+        return self.rank_writer.refusal(dest.segment)
 
     # ------------------------------------------------------------------ sending
     def send_ready(self) -> None:

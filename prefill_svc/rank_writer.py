@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from pd_common.head_slices import PageShape, RankWrite, plan_rank_writes, slice_descriptors
 from pd_common.tp_rank import WriteCommand, WriteReply, WriteTarget
-from transfer_svc.engine import BatchStatus, State
+from transfer_svc.engine import BatchStatus, DescriptorError, State
 from transfer_svc.rank_regions import RankRegion, rank_descriptor, rank_regions
 
 
@@ -68,6 +68,15 @@ class RankWriter:
     def per_rank(self, segment) -> bool:
         """Whether writes into ``segment`` (D's) go rank by rank: P or D runs several ranks."""
         return len(self.regions) > 1 or segment.kv_layout.tp_size > 1
+
+    def refusal(self, segment) -> str | None:
+        """Why D's kv heads cannot be mapped onto P's ranks (its descriptor's regions are malformed,
+        or some D head is held by no P rank), or None."""
+        try:
+            plan_rank_writes(self.regions, rank_regions(segment.descriptor))
+        except (ValueError, DescriptorError) as e:
+            return f"decode's KV shards cannot be written from this prefill worker's: {e}"
+        return None
 
     def submit(self, segment, src_pages: Sequence[int], dst_pages: Sequence[int],
                not_after: float | None) -> tuple[int, int, list[RankPages]]:
