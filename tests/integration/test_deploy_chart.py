@@ -118,7 +118,7 @@ def test_workers_register_with_pod_ip_and_grpc_probes():
                          "--metrics-port": "9400", "--registry": registry, "--advertise-host": "$(POD_IP)",
                          "--worker-id": "$(POD_NAME)", "--device": "cpu", "--transport": "tcp",
                          "--page-size": "16", "--cluster-token-file": "/etc/halfmoon/cluster-token/token",
-                         "--drain-grace-s": {"prefill": "40", "decode": "100"}[role]}
+                         "--drain-grace-s": {"prefill": "40", "decode": "100"}[role], "--tp": "1"}
         env = {e["name"]: e for e in c["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
