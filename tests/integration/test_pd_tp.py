@@ -25,7 +25,8 @@ import pytest
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from protos import registry_pb2, registry_pb2_grpc
-from tests.integration.conftest import assert_idle_accounting, get_load, model_available, start_stack
+from tests.integration.conftest import (assert_clean_log, assert_idle_accounting, get_load, model_available,
+                                        start_stack)
 from tests.integration.pd_driver import PDDriver, sampling
 
 PAGE = 16
@@ -105,6 +106,8 @@ def test_a_shared_prefix_moves_only_the_delta_through_every_rank_pair(stack, pro
     page_bytes = 2 * 30 * PAGE * 3 * 64 * 4  # SmolLM2: 30 layers, 3 kv heads of 64, float32: every rank's
     assert second.chunks[-1].kv_bytes_transferred == second.chunks[-1].kv_pages_transferred * page_bytes
     assert_idle_accounting(stack)
+    for proc in (stack.prefill, stack.decode):
+        assert_clean_log(proc)
 
 
 def test_a_killed_rank_takes_its_worker_down_and_nothing_hangs(stack, prompts):
@@ -123,6 +126,7 @@ def test_a_killed_rank_takes_its_worker_down_and_nothing_hangs(stack, prompts):
     assert victim.popen.wait(15) == 1, victim.log()[-3000:]
     assert time.monotonic() - t0 < 15
     assert f"rank 1 (pid {follower.pid}) exited with signal 9" in victim.log()
+    assert "Traceback" not in victim.log(), victim.log()[-4000:]  # one line per failure, no traceback
     assert done.wait(30), "the request hung after a rank died"
     if victim is stack.decode:  # D held the stream: it ends with an error, not a hang
         assert call.result.decode_error is not None or call.result.finish_reason == "abort"
