@@ -138,18 +138,3 @@ def test_a_killed_rank_takes_its_worker_down_and_nothing_hangs(stack, prompts):
     assert_idle_accounting([(service, peer.address)])
 
 
-
-@pytest.mark.parametrize("flags, message", [
-    (["--kv-layout", "layer_major"], "--tp > 1 needs --kv-layout page_major"),
-    (["--kv-checksums"], "--kv-checksums is not supported with --tp > 1"),
-], ids=["layer-major", "checksums"])
-def test_flags_tp_cannot_honour_stop_the_worker_before_it_loads(flags, message):
-    import subprocess
-    import sys
-
-    from tests.integration.conftest import ROOT, _env
-
-    proc = subprocess.run([sys.executable, "-m", "halfmoon", "serve-prefill", "--tp", "2", *flags],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and f"error: {message}" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
