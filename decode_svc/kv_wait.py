@@ -149,7 +149,9 @@ class KVWaitQueue:
         if self.checksums and list(notice.page_checksums) != page_checksums(pool, pages):
             return f"KV checksum mismatch on room {job.room}"
         job.pages_transferred = len(pages)
-        job.bytes_transferred = len(pages) * pool.page_bytes * 2 * pool.num_layers
+        # every rank's kv heads (this pool, rank 0's under tensor parallelism, holds only its own)
+        heads = self.runner.model_config.num_kv_heads
+        job.bytes_transferred = len(pages) * pool.page_bytes // pool.num_kv_heads * heads * 2 * pool.num_layers
         return ""
 
     def _commit(self, job: DecodeJob, notice: prefill_pb2.KVNotice) -> None:

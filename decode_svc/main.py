@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     w = Worker(args, "decode")
     # rows: running requests + as many pre-allocated/transferring ones, which hold a row while they
     # wait for KV without taking a running slot
-    runner = ModelRunner(engine_config(args, 2 * args.max_running_requests))
+    runner = ModelRunner(engine_config(args, 2 * args.max_running_requests), follower=w.follower_spec())
     transfer = w.start_transfer(runner)
     tok = load_tokenizer(runner, args.model)
     holder = {}
@@ -90,5 +90,5 @@ def run(args: argparse.Namespace) -> int:
     w.publish_and_serve()
     w.wait_for_signal()
     w.drain(servicer.drain, servicer.hand_back)
-    w.shutdown(lambda: (sched.stop(), peers.close()))
-    return 0
+    w.shutdown(lambda: (sched.stop(), peers.close(), runner.close()))
+    return 1 if w.fatal else 0

@@ -32,18 +32,19 @@ from engine.kvcache.page_allocator import PageAllocator
 from engine.kvcache.req_to_token_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
-    from engine.distributed.group import TPGroup
+    from engine.distributed.group import FollowerSpec, TPGroup
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: tuple[LlamaForCausalLM, Path | None] | None = None,
-                 tp: "TPGroup | None" = None):
+                 tp: "TPGroup | None" = None, follower: "FollowerSpec | None" = None):
         """Load the model (or reuse ``loaded = (model, hf_dir)`` from another runner, e.g. to build
         pools of another page size over the same weights) and allocate the pools.
 
         With ``config.tp_size > 1`` this runner is rank 0 of a tensor-parallel group: it starts the
         other ranks, and holds (as each of them) only its shard of the model and of the KV pool's kv
-        heads (``engine.distributed``). ``tp`` is given by a follower rank only.
+        heads (``engine.distributed``). ``tp`` is given by a follower rank only; ``follower`` picks
+        the program ranks 1..N-1 run (default the engine's own follower).
         Raises InvalidRequestError(field="tp") when the model's heads cannot be split over ``tp_size``.
         """
         cpu_linear = CpuLinear.parse(config.cpu_linear)  # before anything is allocated
@@ -56,7 +57,7 @@ class ModelRunner:
         if config.tp_size > 1:
             from engine.distributed.runner_setup import start_tp
 
-            self.tp, self.tp_shard, (self.model, self.model_path) = start_tp(config, tp, loaded)
+            self.tp, self.tp_shard, (self.model, self.model_path) = start_tp(config, tp, loaded, follower)
             self.device = self.tp.device
         else:
             self.device = torch.device(config.device)

@@ -16,6 +16,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 import grpc
 
+from engine.distributed.group import TPRankDied
 from pd_common.inbox import Abort, Inbox, LoadQuery, Wake
 from pd_common.protocol import ServiceError
 from pd_common.rooms import KnownRooms
@@ -37,6 +38,7 @@ class SchedulerLoop(ABC):
         self._device = device
         self._log = log
         self._stop = False
+        self._rank_died: str | None = None  # a tensor-parallel rank died: no forward can run again
         self.kv_events = None  # a pd_common.kv_events.KVEventPublisher, fed from event_cache
         self.event_cache = None  # the subclass's radix cache (enable_events=True)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -82,9 +84,13 @@ class SchedulerLoop(ABC):
         bind_cuda_device(self._device)  # this thread runs the forwards (CUDA graph replay)
         while not self._stop:
             try:
-                self.inbox.drain(self.idle_wait(), self.handle)
-                self.iterate()
+                self.inbox.drain(self.idle_wait() if self._rank_died is None else 0.1, self.handle)
+                if self._rank_died is None:  # else only aborts and queries are answered until stop()
+                    self.iterate()
                 self.publish_kv_events()
+            except TPRankDied as e:  # the worker stops itself (worker_runtime): one line, no traceback
+                self._rank_died = str(e)
+                self._log.error("%s: %s; no more forwards", self._thread.name, e)
             except Exception:
                 self._log.exception("%s iteration failed", self._thread.name)
                 self.on_iteration_error()

@@ -6,6 +6,10 @@ segment (KVLayout: the pool's ``--kv-layout``) and the worker record in the regi
 -> health SERVING -> one line ``READY <worker-id> grpc=<addr>`` on stdout. SIGTERM/SIGINT drain it
 (pd_common/drain.py: NOT_SERVING, no new request, ``--drain-grace-s`` for running calls, the rest
 handed back to the router) and stop it in reverse. A ``--device`` this process cannot use stops it first with one ``error:`` line.
+
+With ``--tp N`` the runner starts ranks 1..N-1 (``pd_common/tp_rank.py``), each with its own
+transfer engine and KV shard; the worker publishes ONE segment descriptor with every rank's region
+(transfer_svc/rank_regions.py). A rank that dies stops the worker (it deregisters; exit code 1).
 """
 
 from __future__ import annotations
@@ -110,6 +114,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                              "back to the router, which migrates them to another pair. Keep it a few "
                              "seconds below the pod's terminationGracePeriodSeconds")
     parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
+    parser.add_argument("--tp", type=int_at_least(1), default=1,
+                        help="tensor-parallel ranks of this worker (one process each; on CUDA rank r "
+                             "uses --device's index + r); page_major KV layout only, no --kv-checksums")
+    parser.add_argument("--tp-timeout", type=non_negative_float, default=30.0,
+                        help="seconds any tensor-parallel collective may take before the worker stops")
     add_cluster_auth_args(parser)
 
 
@@ -158,7 +167,16 @@ def engine_config(args, rows: int, disable_radix_cache: bool = False):
                         num_pages=args.num_pages, max_running_requests=rows,
                         max_context=args.max_context, chunked_prefill_size=args.chunked_prefill_size,
                         disable_radix_cache=disable_radix_cache, torch_threads=args.torch_threads,
-                        kv_layout=args.kv_layout)
+                        kv_layout=args.kv_layout, tp_size=args.tp, tp_timeout_s=args.tp_timeout)
+
+
+def check_tp_flags(args) -> str | None:
+    """Why ``--tp`` cannot run with the other flags (a start-up error), or None."""
+    if args.tp > 1 and args.kv_layout != "page_major":
+        return "--tp > 1 needs --kv-layout page_major (per-rank KV writes address page_major shards)"
+    if args.tp > 1 and args.kv_checksums:
+        return "--kv-checksums is not supported with --tp > 1 (a checksum would cover one rank's kv heads)"
+    return None
 
 
 class Worker:
@@ -170,6 +188,9 @@ class Worker:
         os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: thread dump
         self.credentials = load_credentials(args)
+        why = check_tp_flags(args)
+        if why:
+            raise SystemExit(f"error: {why}")
         check_device(args.device)
         bind_cuda_device(args.device)  # before the model loads and CUDA graphs are captured
         self.args = args
@@ -182,11 +203,29 @@ class Worker:
         self.health = None
         self.grpc_address = ""
         self.metrics_address = ""
+        self.rank_descriptors = []  # ranks 1..N-1's segment descriptors (tensor parallelism)
+        self.rank_regions = []      # every rank's KV region, rank order
+        self.fatal: str | None = None  # why the worker stops by itself (a tensor-parallel rank died)
+        self._stop = threading.Event()
+
+    def follower_spec(self):
+        """The program ranks 1..N-1 run (``ModelRunner(..., follower=)``): the rank's transfer engine
+        with the worker's transport settings."""
+        import dataclasses
+        import json
+
+        from engine.distributed.group import FollowerSpec
+        from pd_common.tp_rank import AgentConfig
+
+        a = self.args
+        cfg = AgentConfig(self.worker_id, ucx_transports(a.transport, a.device), a.transfer_timeout,
+                          busy_poll=a.device.startswith("cuda"))
+        return FollowerSpec("pd_common.tp_rank", json.dumps(dataclasses.asdict(cfg)))
 
     def start_transfer(self, runner):
         """Transfer engine named after the worker, every K/V buffer registered, plus the registry
         client used as its resolver."""
-        from pd_common.protocol import kv_layout
+        from pd_common.protocol import published_layout
         from transfer_svc.engine import TransferEngine
         from transfer_svc.registry_client import RegistryClient
 
@@ -202,12 +241,44 @@ class Worker:
                                        busy_poll=runner.device.type == "cuda")
         for buf in runner.kv_pool.buffers():
             self.transfer.register_memory(buf.data_ptr(), buf.numel() * buf.element_size(), loc)
-        self.layout = kv_layout(runner.kv_pool, a.model)
+        self.layout = published_layout(runner, a.model)
+        self._collect_ranks(runner)
         graphs = runner.graph_runner.buckets if runner.graph_runner is not None else "off"
         log.info("engine: device=%s dtype=%s attention=%s cuda_graphs=%s kv_pages=%d ucx_tls=%s",
                  loc, str(runner.dtype).removeprefix("torch."), type(runner.backend).__name__, graphs,
                  runner.allocator.num_pages, ucx_transports(a.transport, loc) or "(UCX's choice)")
         return self.transfer
+
+    def _collect_ranks(self, runner, timeout_s: float = 120.0) -> None:
+        """Every follower's descriptor (its first reply) and every rank's region; the rank-death
+        hook that stops this worker."""
+        import queue
+
+        from engine.distributed.shard import plan_shard
+        from pd_common.tp_rank import local_region
+        from protos import registry_pb2
+        from transfer_svc.rank_regions import RankRegion
+
+        self.rank_regions = [local_region(runner)]
+        if runner.tp is None:
+            return
+        runner.tp.on_rank_death = self._rank_died
+        for r in range(1, runner.tp.size):
+            try:
+                data = runner.tp.replies(r).get(timeout=timeout_s)
+            except queue.Empty:
+                raise SystemExit(f"error: tensor-parallel rank {r} sent no segment descriptor "
+                                 f"within {timeout_s:g} s") from None
+            desc = registry_pb2.SegmentDescriptor.FromString(data)
+            self.rank_descriptors.append(desc)
+            region = desc.regions[0]
+            lo, hi = plan_shard(runner.model_config, r, runner.tp.size).kv_heads
+            self.rank_regions.append(RankRegion(r, lo, hi, int(region.base), int(region.length)))
+
+    def _rank_died(self, reason: str) -> None:
+        log.error("%s: stopping this worker", reason)
+        self.fatal = reason
+        self._stop.set()
 
     def attach_kv_events(self, sched) -> None:
         """Publish ``sched``'s radix cache events on ``halfmoon.v1.KVEvents`` (call after
@@ -255,17 +326,23 @@ class Worker:
         rec = self.registry.record
         rec.grpc_address = self.grpc_address
         rec.metrics_address = self.metrics_address
-        self.registry.publish(self.transfer.publish(self.layout))
+        desc = self.transfer.publish(self.layout)
+        if self.rank_descriptors:
+            from transfer_svc.rank_regions import tp_descriptor
+
+            desc = tp_descriptor(desc, [(r.head_start, r.head_end) for r in self.rank_regions],
+                                 self.rank_descriptors)
+        self.registry.publish(desc)
         for name in ("", self.service_name):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         print(f"READY {self.worker_id} grpc={self.grpc_address} metrics={self.metrics_address}",
               flush=True)
 
     def wait_for_signal(self) -> None:
-        done = threading.Event()
+        """Until SIGINT / SIGTERM, or a tensor-parallel rank died (``fatal``)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: done.set())
-        done.wait()
+            signal.signal(sig, lambda *_: self._stop.set())
+        self._stop.wait()
 
     def drain(self, drain, hand_back=None) -> None:
         """The graceful part of a SIGTERM (pd_common/drain.py): NOT_SERVING, no new request; calls
@@ -275,6 +352,8 @@ class Worker:
         signal cuts the grace short."""
         self._not_serving()
         drain.begin()
+        if self.fatal is not None:  # nothing can run any more: no grace, the router retries elsewhere
+            drain.hurry.set()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: drain.hurry.set())
         log.info("draining: %d running calls get up to %g s (--drain-grace-s)", drain.active, drain.grace_s)

@@ -58,6 +58,7 @@ class PendingBatch(NamedTuple):
     submitted: float  # time.monotonic() seconds at submit
     pages: int        # pages the batch writes
     nbytes: int       # bytes the batch writes
+    per_rank: bool = False  # a RankWriter batch (P or D tensor-parallel), not one engine batch
 
 
 class FirstToken(NamedTuple):

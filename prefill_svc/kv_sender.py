@@ -10,6 +10,10 @@
   checksums) is queued with ``send_notify``; the transport delivers it only after every earlier
   batch to that segment completed, and fails it if one failed.
 * A job's pages stay allocated while any of its batches or its notice may still read them.
+* Tensor parallelism (P or D runs several ranks): each batch is a ``RankWriter`` rank batch, one
+  write per (P rank, D rank, kv-head range) on the writing rank's engine; the notice is queued only
+  once every rank batch of the job completed (those writes use several endpoints, so the engine's
+  ordering behind one segment's batches does not cover them).
 
 Every accepted destination gets exactly one notice, ok or ok=false (failure, abort, expiry), so D
 can keep its destination pages quarantined until then.
@@ -45,6 +49,7 @@ from transfer_svc.engine import WRITE_DEADLINE_PASSED, State
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
+    from prefill_svc.rank_writer import RankWriter
 
 log = logging.getLogger("halfmoon.prefill")
 
@@ -85,12 +90,15 @@ class DeltaSender:
         lease_valid_for: seconds P's registry lease is still certainly held
             (``RegistryClient.lease_valid_for``), or None (no registry: no lease fence).
         lease_fence_margin_s: no write starts while ``lease_valid_for()`` is below this.
+        rank_writer: writes to a D of several ranks, or from a P of several (None: neither can
+            happen here; a tensor-parallel D is then refused at claim).
     """
 
     def __init__(self, transfer: KVSender, runner: ModelRunner, geometry: PoolGeometry,
                  book: DestinationBook, ends: JobEnds, *, destination_timeout_s: float,
                  checksums: bool, transfer_log: TransferLog,
-                 lease_valid_for: Callable[[], float] | None = None, lease_fence_margin_s: float = 0.0):
+                 lease_valid_for: Callable[[], float] | None = None, lease_fence_margin_s: float = 0.0,
+                 rank_writer: RankWriter | None = None):
         self.transfer = transfer
         self.runner = runner
         self.ps = runner.page_size
@@ -102,6 +110,7 @@ class DeltaSender:
         self.log = transfer_log
         self.lease_valid_for = lease_valid_for
         self.lease_fence_margin_s = lease_fence_margin_s
+        self.rank_writer = rank_writer
         self.unclaimed: dict[int, PrefillJob] = {}  # room -> job without a destination
         self.sending: dict[int, PrefillJob] = {}    # room -> job with a claimed destination
         self._net = ThreadPoolExecutor(2, thread_name_prefix="prefill-net")
@@ -145,11 +154,25 @@ class DeltaSender:
             del self.unclaimed[job.room]
             self.sending[job.room] = job
             job.dest = dest  # also on a mismatch: the failure is answered with an ok=false notice
-            why = check_destination(dest, len(job.prompt_ids), self.ps, self.geometry)
+            why = check_destination(dest, len(job.prompt_ids), self.ps, self.geometry) or self._rank_refusal(dest)
             if why:
                 self.ends.fail(job, ServiceError(grpc.StatusCode.FAILED_PRECONDITION, why))
             else:
                 job.next_page = int(dest.msg.pre_len) // self.ps
+
+    def _per_rank(self, dest: Destination) -> bool:
+        return self.rank_writer is not None and self.rank_writer.per_rank(dest.segment)
+
+    def _rank_refusal(self, dest: Destination) -> str | None:
+        """Why a tensor-parallel pair cannot take ``dest`` (checks cover one rank's heads), or None."""
+        if dest.segment.kv_layout.tp_size > 1 and self.rank_writer is None:
+            return "decode runs tensor-parallel; this prefill worker writes to single-rank pools only"
+        if not self._per_rank(dest):
+            return None
+        if self.checksums or dest.msg.want_checksums:
+            return ("page checksums cover one rank's kv heads: --kv-checksums is not supported "
+                    "with tensor parallelism (--tp)")
+        return self.rank_writer.refusal(dest.segment)
 
     # ------------------------------------------------------------------ sending
     def send_ready(self) -> None:
@@ -170,7 +193,7 @@ class DeltaSender:
             try:
                 if job.next_page < end_page:
                     self._submit_pages(job, job.next_page, end_page)
-                if complete and job.next_page >= end_page:
+                if complete and job.next_page >= end_page and not any(b.per_rank for b in job.batches.values()):
                     self._queue_notice(job)
             except Exception as e:  # SegmentClosed, BoundsError, ...: nothing was submitted
                 M.TRANSFER_FAILURES.labels(reason="peer_unreachable").inc()
@@ -200,22 +223,29 @@ class DeltaSender:
         r2t = self.runner.req_to_token_pool.req_to_token
         src = pages_of_slots(r2t[job.lease.row, first * ps: min(end * ps, n)], ps)
         dst = [int(p) for p in dest.msg.dst_page_ids[first - d0: end - d0]]
-        runs = merge_runs(src, dst)
-        descs = descriptors(runs, self.geometry, dest.geometry)
         if not job.t_transfer:
             job.t_transfer = time.monotonic()
         if r2t.device.type == "cuda":  # the forward's KV writes must land before the transport reads
             torch.cuda.current_stream(r2t.device).synchronize()
-        bid = self.transfer.submit(dest.segment, descs, not_after=dest.not_after)
-        nbytes = sum(d[2] for d in descs)
-        job.batches[bid] = PendingBatch(time.monotonic(), len(src), nbytes)
+        record = {"event": "batch", "room": job.room, "request_id": job.request_id,
+                  "logical_pages": list(range(first, end)), "src_pages": src, "dst_pages": dst,
+                  "pre_len": int(dest.msg.pre_len), "prompt_len": n}
+        if self._per_rank(dest):
+            bid, nbytes, writes = self.rank_writer.submit(dest.segment, src, dst, dest.not_after)
+            job.batches[bid] = PendingBatch(time.monotonic(), len(src), nbytes, per_rank=True)
+            for w in writes:
+                M.TRANSFER_RANK_PAGES.labels(src_rank=str(w.src_rank), dst_rank=str(w.dst_rank)).inc(w.pages)
+            record["rank_writes"] = [[w.src_rank, w.dst_rank, w.head_start, w.head_end, w.pages] for w in writes]
+        else:
+            runs = merge_runs(src, dst)
+            descs = descriptors(runs, self.geometry, dest.geometry)
+            bid = self.transfer.submit(dest.segment, descs, not_after=dest.not_after)
+            nbytes = sum(d[2] for d in descs)
+            job.batches[bid] = PendingBatch(time.monotonic(), len(src), nbytes)
+            record.update(runs=[[r.src, r.dst, r.length] for r in runs], descriptors=len(descs))
         job.next_page = end
         if self.log.enabled:
-            self.log.write({
-                "event": "batch", "room": job.room, "request_id": job.request_id, "batch": bid,
-                "logical_pages": list(range(first, end)), "src_pages": src, "dst_pages": dst,
-                "runs": [[r.src, r.dst, r.length] for r in runs], "descriptors": len(descs),
-                "bytes": nbytes, "pre_len": int(dest.msg.pre_len), "prompt_len": n})
+            self.log.write({**record, "batch": bid, "bytes": nbytes})
 
     def _queue_notice(self, job: PrefillJob) -> None:
         notice = self._ok_notice(job)
@@ -243,11 +273,12 @@ class DeltaSender:
         """Collect finished batches and notices; end the jobs they complete or fail."""
         for job in list(self.sending.values()):
             for bid, batch in list(job.batches.items()):
-                st = self.transfer.status(bid)
+                transport = self.rank_writer if batch.per_rank else self.transfer
+                st = transport.status(bid)
                 if st.state is State.PENDING:
                     continue
                 del job.batches[bid]
-                self.transfer.release(bid)
+                transport.release(bid)
                 # bytes, batch seconds and failures are counted by the transfer engine itself
                 if st.state is State.COMPLETED:
                     M.TRANSFER_PAGES.inc(batch.pages)

@@ -24,13 +24,19 @@ def run(args: argparse.Namespace) -> int:
     from protos import prefill_pb2, prefill_pb2_grpc
 
     w = Worker(args, "prefill")
-    runner = ModelRunner(engine_config(args, args.max_running_requests, args.disable_radix_cache))
+    from pd_common.head_slices import PageShape
+    from prefill_svc.rank_writer import RankWriter
+
+    runner = ModelRunner(engine_config(args, args.max_running_requests, args.disable_radix_cache),
+                         follower=w.follower_spec())
     transfer = w.start_transfer(runner)
     sched = PrefillScheduler(runner, transfer, destination_timeout_s=args.destination_timeout,
                              transfer_log=args.transfer_log, checksums=args.kv_checksums,
                              disable_radix_cache=args.disable_radix_cache,
                              lease_valid_for=w.registry.lease_valid_for,
-                             lease_fence_margin_s=args.lease_fence_margin)
+                             lease_fence_margin_s=args.lease_fence_margin,
+                             rank_writer=RankWriter(transfer, runner.tp, w.rank_regions,
+                                                    PageShape.from_layout(w.layout)))
     w.attach_kv_events(sched)
     sched.start()
     servicer = PrefillServicer(sched, transfer, args.worker_id, vocab_size=runner.vocab_size,
@@ -42,5 +48,5 @@ def run(args: argparse.Namespace) -> int:
     w.publish_and_serve()
     w.wait_for_signal()
     w.drain(servicer.drain)
-    w.shutdown(sched.stop)
-    return 0
+    w.shutdown(lambda: (sched.stop(), runner.close()))
+    return 1 if w.fatal else 0

@@ -26,7 +26,7 @@ from engine.kvcache.prefix_cache import NullPrefixCache
 from engine.kvcache.radix_cache import RadixCache
 from pd_common.inbox import Abort, LoadQuery, Submit, Wake, abort_targets
 from pd_common.kv_transport import KVSender
-from pd_common.protocol import ServiceError, kv_layout, token_logprob
+from pd_common.protocol import ServiceError, published_layout, token_logprob
 from pd_common.scheduler_loop import SchedulerLoop
 from prefill_svc.admission import Admission
 from prefill_svc.chunked_prefill import ChunkedPrefill
@@ -57,12 +57,14 @@ class PrefillScheduler(SchedulerLoop):
         disable_radix_cache: no prefix cache on P (every prompt is computed whole).
         lease_valid_for, lease_fence_margin_s: P's own view of its registry lease; no KV write
             starts while it is below the margin (``DeltaSender``).
+        rank_writer: ``prefill_svc.rank_writer.RankWriter`` for tensor-parallel pairs (None: single
+            rank on both sides only).
     """
 
     def __init__(self, runner: ModelRunner, transfer: KVSender, *, destination_timeout_s: float = 60.0,
                  transfer_log: str | None = None, checksums: bool = False,
                  disable_radix_cache: bool = False, lease_valid_for=None,
-                 lease_fence_margin_s: float = 0.0):
+                 lease_fence_margin_s: float = 0.0, rank_writer=None):
         super().__init__("prefill-scheduler", runner.device, log)
         self.runner = runner
         self.transfer = transfer
@@ -74,7 +76,7 @@ class PrefillScheduler(SchedulerLoop):
         self.event_cache = self.cache
         self.book = DestinationBook(destination_timeout_s)
         # the same description of this pool that the worker publishes
-        self.geometry = PoolGeometry.from_layout(kv_layout(runner.kv_pool, runner.config.model))
+        self.geometry = PoolGeometry.from_layout(published_layout(runner, runner.config.model))
         self.jobs: dict[int, PrefillJob] = {}  # room -> job, arrival order
         self.admission = Admission(CacheManager(self.alloc, self.r2t, self.cache))
         self.prefill = ChunkedPrefill(runner, runner.config.chunked_prefill_size)
@@ -82,7 +84,7 @@ class PrefillScheduler(SchedulerLoop):
                                   destination_timeout_s=destination_timeout_s, checksums=checksums,
                                   transfer_log=TransferLog(transfer_log),
                                   lease_valid_for=lease_valid_for,
-                                  lease_fence_margin_s=lease_fence_margin_s)
+                                  lease_fence_margin_s=lease_fence_margin_s, rank_writer=rank_writer)
 
     # ------------------------------------------------------------------ API (any thread)
     def stop(self) -> None:

@@ -22,13 +22,17 @@ TRANSFER_BATCH_SECONDS = Histogram(
     "halfmoon_transfer_batch_seconds",
     "Seconds from submitting one transfer batch to completion of all its writes.",
     buckets=TRANSFER_BUCKETS, registry=_R)
+TRANSFER_RANK_PAGES = Counter(
+    "halfmoon_transfer_rank_pages_total",
+    "KV pages submitted per (prefill rank, decode rank) pair under tensor parallelism (each moves "
+    "its kv-head slice of the page).", ["src_rank", "dst_rank"], registry=_R)
 TRANSFER_FAILURES = Counter(
     "halfmoon_transfer_failures_total", "Failed transfer batches by reason (sender side).",
     ["reason"], registry=_R)
 
 # this group's metrics, in exposition order (telemetry.exposition.METRICS_BY_GROUP['transfer'])
 METRICS = (
-    TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES)
+    TRANSFER_PAGES, TRANSFER_RANK_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES)
 
 # Known label values are created up front, so their series exist (at 0) from the first scrape:
 # rate() and alerts then work before the first event.

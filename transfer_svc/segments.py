@@ -68,18 +68,27 @@ def validate_descriptor(desc: registry_pb2.SegmentDescriptor) -> None:
     if desc.digest != descriptor_digest(desc):
         raise DescriptorError(f"segment {desc.name!r}: descriptor digest mismatch (corrupted or "
                               f"edited descriptor; UCX would parse garbage)")
-    regions = sorted(desc.regions, key=lambda r: r.base)
+    # regions of different ranks live in different processes: their addresses may coincide
+    by_owner: dict[bytes, list] = {}
+    for r in desc.regions:
+        by_owner.setdefault(bytes(r.worker_address), []).append(r)
+    for regions in by_owner.values():
+        _check_regions(desc.name, sorted(regions, key=lambda r: r.base))
+
+
+def _check_regions(desc_name: str, regions: list) -> None:
+    """Regions of one process: non-empty, inside the address space, with an rkey, not overlapping."""
     prev_end = 0
     for i, r in enumerate(regions):
         if r.length == 0 or r.base == 0:
-            raise DescriptorError(f"segment {desc.name!r}: region {i} has base {r.base:#x} "
+            raise DescriptorError(f"segment {desc_name!r}: region {i} has base {r.base:#x} "
                                   f"length {r.length}")
         if r.base + r.length > 1 << 64:
-            raise DescriptorError(f"segment {desc.name!r}: region {i} wraps the address space")
+            raise DescriptorError(f"segment {desc_name!r}: region {i} wraps the address space")
         if not r.rkey:
-            raise DescriptorError(f"segment {desc.name!r}: region {i} has no rkey")
+            raise DescriptorError(f"segment {desc_name!r}: region {i} has no rkey")
         if r.base < prev_end:
-            raise DescriptorError(f"segment {desc.name!r}: regions overlap at {r.base:#x}")
+            raise DescriptorError(f"segment {desc_name!r}: regions overlap at {r.base:#x}")
         prev_end = r.base + r.length
 
 
@@ -186,7 +195,9 @@ class SegmentTable:
         if owner_exited(seg):
             raise SegmentClosed(f"segment {desc.name!r}: owner process {desc.pid} on this host "
                                 f"is gone (stale descriptor)")
-        for r in sorted(desc.regions, key=lambda r: r.base):
+        # only the regions this endpoint's process owns (rank 0's): another rank's rkeys belong to
+        # another UCP worker (transfer_svc/rank_regions.py opens those as their own segments)
+        for r in sorted((r for r in desc.regions if not r.worker_address), key=lambda r: r.base):
             seg._regions.append(RemoteRegion(r.base, r.length, bytes(r.rkey)))
             seg._bases.append(r.base)
         self._progress.call(self._connect, seg)

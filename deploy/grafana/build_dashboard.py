@@ -100,6 +100,10 @@ ROWS = [
          [("halfmoon:transfer_bytes:rate1m / 1e9", "GB/s")]),
         ("KV pages transferred", "timeseries", "short", "KV pages written per second (sender side).",
          [("halfmoon:transfer_pages:rate1m", "pages/s")]),
+        ("KV pages per rank pair (TP)", "timeseries", "short",
+         "Pages submitted per second per (prefill rank, decode rank) under tensor parallelism: each pair "
+         "moves its kv-head slice of the page.",
+         [("sum by (src_rank, dst_rank) (rate(halfmoon_transfer_rank_pages_total[1m]))", "P{{src_rank}} -> D{{dst_rank}}")]),
         ("Transfer batch latency", "timeseries", "s", "Submit to completion of one transfer batch.",
          [("histogram_quantile(0.5, sum by (le) (rate(halfmoon_transfer_batch_seconds_bucket[1m])))", "p50"),
           ("halfmoon:transfer_batch_seconds:p99_1m", "p99")]),

@@ -12,6 +12,13 @@ frame without a timeout (an idle engine sends nothing), and sees rank 0's death 
 (the kernel closes it with the process). Collectives run under ``timeout_s``, so no rank waits for
 a dead or stopped peer longer than that.
 
+A worker's own per-rank work (its KV writes to a peer, under P/D disaggregation) travels the same
+pipe as a *command* frame: opaque bytes that the follower hands to ``on_command`` in order with the
+batches (so a write command sent after a forward reads what that forward wrote). Followers answer
+on a reply pipe (length-prefixed bytes), which rank 0 reads on one thread per follower into
+``replies(rank)``. A worker picks its own follower program (``FollowerSpec``), which runs the same
+loop with its hooks.
+
 A rank that exits takes the engine down: rank 0's watch thread sees the exit within 0.1 s, kills
 the other followers (their sockets close, so a collective in flight fails at once instead of at
 its timeout) and marks the group dead; the forward in flight and every later one raise
@@ -24,12 +31,14 @@ import datetime
 import json
 import logging
 import os
+import queue
 import struct
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -41,8 +50,18 @@ from engine.forward_batch import ForwardBatch
 log = logging.getLogger("halfmoon.engine.tp")
 
 _FRAME = struct.Struct("<qq")  # (op, int64s in the broadcast message)
-OP_STOP, OP_BATCH = 0, 1
+OP_STOP, OP_BATCH, OP_COMMAND = 0, 1, 2
+_LEN = struct.Struct("<q")  # a reply's length
 START_TIMEOUT_S = 600.0  # starting: imports and loading a shard, which a busy host slows down
+
+
+@dataclass(frozen=True)
+class FollowerSpec:
+    """Which program ranks 1..N-1 run (``python -m <module> <standard flags> --agent-config
+    <agent_config>``): the engine's follower, or a worker's own built on ``follower.run_follower``."""
+
+    module: str = "engine.distributed.follower"
+    agent_config: str = ""  # opaque to the engine: the follower program's own settings (JSON)
 
 
 class TPRankDied(RuntimeError):
@@ -71,7 +90,7 @@ class TPGroup:
 
     def __init__(self, rank: int, size: int, device: torch.device, group: dist.ProcessGroup | None,
                  store: dist.Store, followers: list[subprocess.Popen] | None = None, pipes: list[int] | None = None,
-                 control_fd: int | None = None):
+                 control_fd: int | None = None, reply_fds: list[int] | None = None):
         self.rank, self.size, self.device, self.group = rank, size, device, group
         self._store = store
         self._parent = os.getppid() if control_fd is not None else None  # a follower's rank 0
@@ -79,6 +98,12 @@ class TPGroup:
         self._followers = followers or []
         self._pipes = pipes or []
         self._control = os.fdopen(control_fd, "rb", buffering=0) if control_fd is not None else None
+        # follower: the reply pipe's write end; rank 0: one read end per follower
+        self._reply_out = reply_fds[0] if control_fd is not None and reply_fds else None
+        self._reply_lock = threading.Lock()
+        self._reply_fds = reply_fds if control_fd is None and reply_fds else []
+        self._replies: list[queue.Queue] = [queue.Queue() for _ in self._reply_fds]
+        self.on_command: Callable[[bytes], None] | None = None  # a follower's handler of command frames
         self._dead: str | None = None
         self._closing = threading.Event()
         self._watch = None
@@ -86,35 +111,43 @@ class TPGroup:
     def _start_watch(self) -> None:
         self._watch = threading.Thread(target=self._watch_followers, name="tp-watch", daemon=True)
         self._watch.start()
+        for r, fd in enumerate(self._reply_fds, start=1):
+            threading.Thread(target=self._read_replies, args=(fd, self._replies[r - 1]),
+                             name=f"tp-replies-{r}", daemon=True).start()
 
     # ------------------------------------------------------------------ start
     @classmethod
     def launch(cls, config_json: dict, size: int, device: str, timeout_s: float,
-               start_timeout_s: float = START_TIMEOUT_S) -> "TPGroup":
-        """Rank 0: start ``size - 1`` follower processes for the engine config ``config_json``
-        (``EngineConfig`` as a JSON-able dict) and form the group. Raises TPRankDied when a follower
-        exits, or does not reach the group within ``start_timeout_s`` (imports on a loaded host)."""
+               start_timeout_s: float = START_TIMEOUT_S, spec: FollowerSpec = FollowerSpec()) -> "TPGroup":
+        """Rank 0: start ``size - 1`` follower processes (``spec``'s program) for the engine config
+        ``config_json`` (``EngineConfig`` as a JSON-able dict) and form the group. Raises TPRankDied
+        when a follower exits, or does not reach the group within ``start_timeout_s`` (imports on a
+        loaded host)."""
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True,
                               timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        followers, pipes = [], []
+        followers, pipes, replies = [], [], []
         try:
             for r in range(1, size):
                 rd, wr = os.pipe()
-                cmd = [sys.executable, "-m", "engine.distributed.follower", "--rank", str(r), "--size", str(size),
-                       "--store-port", str(store.port), "--control-fd", str(rd), "--config", json.dumps(config_json)]
-                followers.append(subprocess.Popen(cmd, pass_fds=(rd,), env=env, cwd=root))
+                reply_rd, reply_wr = os.pipe()
+                cmd = [sys.executable, "-m", spec.module, "--rank", str(r), "--size", str(size),
+                       "--store-port", str(store.port), "--control-fd", str(rd), "--reply-fd", str(reply_wr),
+                       "--config", json.dumps(config_json), "--agent-config", spec.agent_config]
+                followers.append(subprocess.Popen(cmd, pass_fds=(rd, reply_wr), env=env, cwd=root))
                 os.close(rd)
+                os.close(reply_wr)
                 pipes.append(wr)
-            group = cls(0, size, rank_device(device, 0), None, store, followers, pipes)
+                replies.append(reply_rd)
+            group = cls(0, size, rank_device(device, 0), None, store, followers, pipes, reply_fds=replies)
             group.barrier("joined", start_timeout_s)
             group.group = _init_group(store, 0, size, group.device, timeout_s)
         except BaseException:
             for p in followers:
                 p.kill()
                 p.wait()
-            for fd in pipes:
+            for fd in pipes + replies:
                 os.close(fd)
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -126,11 +159,12 @@ class TPGroup:
 
     @classmethod
     def join(cls, rank: int, size: int, store_port: int, control_fd: int, device: str, timeout_s: float,
-             start_timeout_s: float = START_TIMEOUT_S) -> "TPGroup":
+             start_timeout_s: float = START_TIMEOUT_S, reply_fd: int | None = None) -> "TPGroup":
         """A follower: connect to rank 0's store and form the group."""
         store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False,
                               timeout=datetime.timedelta(seconds=start_timeout_s))
-        group = cls(rank, size, rank_device(device, rank), None, store, control_fd=control_fd)
+        group = cls(rank, size, rank_device(device, rank), None, store, control_fd=control_fd,
+                    reply_fds=[reply_fd] if reply_fd is not None else None)
         group.barrier("joined", start_timeout_s)
         group.group = _init_group(store, rank, size, group.device, timeout_s)
         return group
@@ -188,17 +222,76 @@ class TPGroup:
 
     def receive(self, req_to_token: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor | None] | None:
         """A follower: the next batch (its rows written into ``req_to_token``), or None when rank 0
-        stops the group or is gone (the pipe ended). Raises RuntimeError when the broadcast fails."""
-        frame = self._control.read(_FRAME.size)
-        if len(frame) < _FRAME.size:
-            log.error("tensor-parallel rank %d: rank 0 went away; exiting", self.rank)
-            return None
-        op, n = _FRAME.unpack(frame)
+        stops the group or is gone (the pipe ended). Command frames before it go to ``on_command``
+        in order. Raises RuntimeError when the broadcast fails."""
+        while True:
+            frame = self._read_control(_FRAME.size)
+            if frame is None:
+                log.error("tensor-parallel rank %d: rank 0 went away; exiting", self.rank)
+                return None
+            op, n = _FRAME.unpack(frame)
+            if op != OP_COMMAND:
+                break
+            payload = self._read_control(n)
+            if payload is None or self.on_command is None:
+                log.error("tensor-parallel rank %d: %s; exiting", self.rank,
+                          "rank 0 went away" if payload is None else "a command frame but no handler")
+                return None
+            self.on_command(payload)
         if op == OP_STOP:
             return None
         msg = torch.empty(n, dtype=torch.int64, device=self.device)
         dist.broadcast(msg, src=0, group=self.group)
         return unpack_batch(msg, req_to_token)
+
+    def _read_control(self, n: int) -> bytes | None:
+        """Exactly ``n`` bytes of the control pipe, or None when it ended first."""
+        buf = b""
+        while len(buf) < n:
+            got = self._control.read(n - len(buf))
+            if not got:
+                return None
+            buf += got
+        return buf
+
+    # ------------------------------------------------------------------ commands and replies
+    def send_command(self, rank: int, payload: bytes) -> None:
+        """Rank 0: queue ``payload`` for follower ``rank``'s ``on_command`` (after every batch sent
+        before it). Call from the thread that runs the forwards. Raises TPRankDied when the group is
+        dead or the follower's pipe is gone."""
+        if self._dead is not None:
+            raise TPRankDied(self._dead)
+        try:
+            os.write(self._pipes[rank - 1], _FRAME.pack(OP_COMMAND, len(payload)) + payload)
+        except OSError:
+            reason = self._exited_follower(wait_s=1.0) or f"tensor-parallel rank {rank}: its pipe is gone"
+            self._fail(reason)
+            raise TPRankDied(reason) from None
+
+    def reply(self, payload: bytes) -> None:
+        """A follower: send ``payload`` to rank 0 (``replies(rank)`` there). Thread-safe."""
+        with self._reply_lock:
+            os.write(self._reply_out, _LEN.pack(len(payload)) + payload)
+
+    def replies(self, rank: int) -> queue.Queue:
+        """Rank 0: follower ``rank``'s replies (bytes), in order; a reader thread fills it."""
+        return self._replies[rank - 1]
+
+    @staticmethod
+    def _read_replies(fd: int, out: queue.Queue) -> None:
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            while True:
+                head = f.read(_LEN.size)
+                if len(head) < _LEN.size:
+                    return  # the follower exited: the watch thread reports it
+                (n,) = _LEN.unpack(head)
+                buf = b""
+                while len(buf) < n:
+                    got = f.read(n - len(buf))
+                    if not got:
+                        return
+                    buf += got
+                out.put(buf)
 
     # ------------------------------------------------------------------ death and shutdown
     @property

@@ -11,16 +11,17 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.distributed.group import TPGroup
+from engine.distributed.group import FollowerSpec, TPGroup
 from engine.distributed.shard import TPShard, plan_shard
 from engine.distributed.tp_model import load_tp_model
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_loader import resolve_model_config
 
 
-def start_tp(config: EngineConfig, group: TPGroup | None, loaded) -> tuple[TPGroup, TPShard,
-                                                                          tuple[LlamaForCausalLM, Path | None]]:
-    """(group, this rank's shard, (model, HF dir)). ``group`` None: this is rank 0, start the others.
+def start_tp(config: EngineConfig, group: TPGroup | None, loaded, spec: FollowerSpec | None = None
+             ) -> tuple[TPGroup, TPShard, tuple[LlamaForCausalLM, Path | None]]:
+    """(group, this rank's shard, (model, HF dir)). ``group`` None: this is rank 0, start the others
+    (running ``spec``'s program; default the engine's follower).
 
     Raises InvalidRequestError(field="tp") before any process starts when the model's heads cannot
     be split, when ``loaded`` weights are passed (a shard is loaded per rank, never shared), or
@@ -40,7 +41,8 @@ def start_tp(config: EngineConfig, group: TPGroup | None, loaded) -> tuple[TPGro
         raise InvalidRequestError("tp", "this process already runs a tensor-parallel engine (its "
                                         "torch.distributed group); close() it before starting another")
     if group is None:
-        group = TPGroup.launch(json.loads(config.to_json()), config.tp_size, config.device, config.tp_timeout_s)
+        group = TPGroup.launch(json.loads(config.to_json()), config.tp_size, config.device, config.tp_timeout_s,
+                               spec=spec or FollowerSpec())
     shard = plan_shard(cfg, group.rank, group.size)
     try:
         model = load_tp_model(config.model, config.load_format, shard, group.group, config.torch_dtype,

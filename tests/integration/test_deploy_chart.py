@@ -118,7 +118,7 @@ def test_workers_register_with_pod_ip_and_grpc_probes():
                          "--metrics-port": "9400", "--registry": registry, "--advertise-host": "$(POD_IP)",
                          "--worker-id": "$(POD_NAME)", "--device": "cpu", "--transport": "tcp",
                          "--page-size": "16", "--cluster-token-file": "/etc/halfmoon/cluster-token/token",
-                         "--drain-grace-s": {"prefill": "40", "decode": "100"}[role]}
+                         "--drain-grace-s": {"prefill": "40", "decode": "100"}[role], "--tp": "1"}
         env = {e["name"]: e for e in c["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -164,6 +164,27 @@ def test_gpu_values_request_gpus_and_cuda_image():
         assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"].startswith(f"halfmoon_{role}_")
     router = _by(docs, "Deployment", "hm-halfmoon-router")["spec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in router["resources"].get("limits", {})
+
+
+def test_tp_values_reach_args_gpus_and_nccl_env():
+    """prefill/decode ``tp``: ``--tp``, gpus per rank times tp, and the NCCL env on CUDA only."""
+    def worker(docs, role):
+        return _by(docs, "Deployment", f"hm-halfmoon-{role}")["spec"]["template"]["spec"]["containers"][0]
+
+    docs = _render("-f", str(GPU_VALUES), "--set", "prefill.tp=2,decode.tp=4")
+    for role, tp in (("prefill", 2), ("decode", 4)):
+        c = worker(docs, role)
+        assert dict(zip(c["args"][1::2], c["args"][2::2]))["--tp"] == str(tp)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["NCCL_NVLS_ENABLE"] == "0" and env["NCCL_DEBUG"] == "WARN"
+    cpu = worker(_render("--set", "prefill.tp=2"), "prefill")  # gloo on CPU: no GPU, no NCCL env
+    assert dict(zip(cpu["args"][1::2], cpu["args"][2::2]))["--tp"] == "2"
+    assert "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
+    assert not any(e["name"].startswith("NCCL_") for e in cpu["env"])
+    default = worker(_render("-f", str(GPU_VALUES)), "decode")
+    assert default["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert not any(e["name"].startswith("NCCL_") for e in default["env"])
 
 
 def test_monitoring_objects_carry_the_repo_rules_and_dashboard():
@@ -232,8 +253,9 @@ def test_chart_args_parse_with_the_real_cli():
      "decode.terminationGracePeriodSeconds (120) must be at least decode.drainGraceSeconds + 20 (135)"),
     ("router.localPrefill.maxTokens=256", "router.localPrefill needs router.policy kv_events"),
     ("router.policy=joint", "router.policy must be one of the following"),
+    ("decode.tp=0", "decode.tp: Must be greater than or equal to 1"),
 ], ids=["variant", "typo", "port", "policy", "two-volumes", "drain-beyond-termination-grace",
-        "local-prefill-without-kv-events", "pair-policy"])
+        "local-prefill-without-kv-events", "pair-policy", "tp-zero"])
 def test_bad_values_are_rejected_with_a_clear_error(bad, message):
     proc = subprocess.run([_helm(), "template", "hm", str(CHART), "--set", bad], capture_output=True,
                           text=True, timeout=60)

@@ -82,10 +82,25 @@ A component's Deployment. Arguments (dict):
   grpcPort   the port serving grpc.health.v1 (probes)
   model      true when the component loads the model (init container pulls it)
   gpus       nvidia.com/gpu count (0: none)
+  env        extra EnvVars of this component (list; optional)
   livenessTcp  liveness by TCP connect instead of gRPC health (the router reports NOT_SERVING while it
              knows no healthy worker pair: that must not restart it)
   strategy   Deployment strategy type (RollingUpdate | Recreate)
 */}}
+{{/*
+A worker's NCCL environment (.Values.ncclEnv as EnvVars, YAML list) when it runs tensor-parallel on
+CUDA (values.tp > 1, values.device cuda*); an empty list otherwise. Arguments: root, values.
+*/}}
+{{- define "halfmoon.tpEnv" -}}
+{{- $out := list -}}
+{{- if and (gt (int (default 1 .values.tp)) 1) (hasPrefix "cuda" .values.device) -}}
+{{- range $k, $val := .root.Values.ncclEnv -}}
+{{- $out = append $out (dict "name" $k "value" (toString $val)) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
 {{- define "halfmoon.deployment" -}}
 {{- $root := .root -}}
 {{- $v := .values -}}
@@ -173,6 +188,9 @@ spec:
               valueFrom:
                 fieldRef: {fieldPath: metadata.namespace}
             {{- with $root.Values.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+            {{- with .env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
           ports:

@@ -1,0 +1,170 @@
+"""A PD worker's tensor-parallel rank 1..N-1: ``python -m pd_common.tp_rank`` (started by rank 0
+through ``FollowerSpec``, never by hand).
+
+Besides following rank 0's batches (``engine.distributed.follower.run_follower``) the rank runs its
+own transfer engine (``<worker-id>#rank<r>``) with its KV shard registered, and sends rank 0 its
+segment descriptor as its first reply; rank 0 folds it into the worker's one descriptor
+(transfer_svc/rank_regions.py). On a prefill worker rank 0 then sends it *write commands*
+(``WriteCommand``, JSON): the pages and D ranks to write this rank's kv heads into. The rank submits
+them on its own engine and replies once every put completed or one failed (``WriteReply``), which
+rank 0 needs before it sends D the notice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from engine.distributed.follower import parse_args, run_follower
+from pd_common.head_slices import PageShape, RankWrite, slice_descriptors
+from protos import registry_pb2
+from transfer_svc.rank_regions import RankRegion
+from transfer_svc.types import State
+
+log = logging.getLogger("halfmoon.worker.tp")
+
+
+@dataclass
+class AgentConfig:
+    """What a rank's transfer engine needs (the worker's flags), as ``FollowerSpec.agent_config``."""
+
+    worker_id: str
+    transports: str | None
+    timeout_s: float
+    busy_poll: bool = False
+
+
+@dataclass
+class WriteTarget:
+    """One D rank to write: its single-rank descriptor (hex of ``rank_descriptor``), its region and
+    the head range to write."""
+
+    desc_hex: str
+    dst: list[int]  # RankRegion fields: rank, head_start, head_end, base, length
+    head_start: int
+    head_end: int
+
+
+@dataclass
+class WriteCommand:
+    id: int
+    targets: list[WriteTarget]
+    src_pages: list[int]
+    dst_pages: list[int]
+    not_after: float | None  # time.monotonic() seconds (one clock for the processes of a host)
+    shape: list[int] = field(default_factory=list)  # PageShape fields
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "WriteCommand":
+        d = json.loads(data)
+        d["targets"] = [WriteTarget(**t) for t in d["targets"]]
+        return cls(**d)
+
+
+@dataclass
+class WriteReply:
+    id: int
+    ok: bool
+    reason: str = ""
+    puts: int = 0
+    nbytes: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "WriteReply":
+        return cls(**json.loads(data))
+
+
+def local_region(runner) -> RankRegion:
+    """This rank's KV shard (a page_major ``ModelRunner`` pool) as a RankRegion."""
+    buf = runner.kv_pool.buffers()[0]
+    lo, hi = runner.tp_shard.kv_heads if runner.tp_shard else (0, runner.num_kv_heads)
+    rank = runner.tp.rank if runner.tp else 0
+    return RankRegion(rank, lo, hi, buf.data_ptr(), buf.numel() * buf.element_size())
+
+
+class WriteAgent:
+    """A follower's side of P's KV writes: submits each command's puts, replies when they end."""
+
+    def __init__(self, engine, group, runner):
+        self.engine, self.group, self.runner = engine, group, runner
+        self.me = local_region(runner)
+        self._waits = ThreadPoolExecutor(1, thread_name_prefix="tp-write-wait")
+
+    def handle(self, payload: bytes) -> None:
+        """``TPGroup.on_command``: never raises (a failure is the command's reply)."""
+        try:
+            cmd = WriteCommand.decode(payload)
+        except (ValueError, TypeError) as e:
+            log.error("tensor-parallel rank %d: unreadable write command: %s", self.group.rank, e)
+            return
+        bids, puts, nbytes = [], 0, 0
+        try:
+            if self.runner.device.type == "cuda":  # the forward's KV writes land before UCX reads them
+                import torch
+
+                torch.cuda.current_stream(self.runner.device).synchronize()
+            shape = PageShape(*cmd.shape)
+            for t in cmd.targets:
+                desc = registry_pb2.SegmentDescriptor.FromString(bytes.fromhex(t.desc_hex))
+                seg = self.engine.open_segment(desc)
+                write = RankWrite(self.me.rank, t.dst[0], t.head_start, t.head_end)
+                descs = slice_descriptors(write, self.me, RankRegion(*t.dst), shape, cmd.src_pages, cmd.dst_pages)
+                bids.append(self.engine.submit(seg, descs, not_after=cmd.not_after))
+                puts += len(descs)
+                nbytes += sum(d[2] for d in descs)
+        except Exception as e:  # SegmentClosed, BoundsError, DescriptorError, ValueError: say so to rank 0
+            self._waits.submit(self._finish, cmd.id, bids, 0, 0, f"rank {self.me.rank}: {e}")
+            return
+        self._waits.submit(self._finish, cmd.id, bids, puts, nbytes, "")
+
+    def _finish(self, cid: int, bids: list[int], puts: int, nbytes: int, error: str) -> None:
+        reasons = [error] if error else []
+        for bid in bids:
+            st = self.engine.wait(bid)
+            self.engine.release(bid)
+            if st.state is not State.COMPLETED:
+                reasons.append(f"rank {self.me.rank}: {st.reason or st.state.name}")
+        try:
+            self.group.reply(WriteReply(cid, not reasons, "; ".join(reasons), puts, nbytes).encode())
+        except OSError:
+            pass  # rank 0 is gone: this rank exits with the control pipe
+
+    def close(self) -> None:
+        self._waits.shutdown(wait=False, cancel_futures=True)
+
+
+def _setup(group, runner, args):
+    from transfer_svc.engine import TransferEngine
+
+    cfg = AgentConfig(**json.loads(args.agent_config))
+    loc = "cpu" if runner.device.type == "cpu" else f"cuda:{runner.device.index or 0}"
+    engine = TransferEngine(f"{cfg.worker_id}#rank{group.rank}", transports=cfg.transports,
+                            timeout_s=cfg.timeout_s, busy_poll=cfg.busy_poll)
+    for buf in runner.kv_pool.buffers():
+        engine.register_memory(buf.data_ptr(), buf.numel() * buf.element_size(), loc)
+    group.reply(engine.publish().SerializeToString())
+    agent = WriteAgent(engine, group, runner)
+    group.on_command = agent.handle
+
+    def close():
+        agent.close()
+        engine.close()
+
+    return close
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_follower(parse_args(argv, "pd_common.tp_rank"), _setup)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

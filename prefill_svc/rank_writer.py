@@ -1,0 +1,177 @@
+"""P's KV writes when P or D runs tensor-parallel: one batch of pages becomes a write per
+(P rank, D rank, kv-head range) (``pd_common.head_slices``), each on the writing rank's own
+transfer engine, and one *rank batch* id that is COMPLETED once all of them are.
+
+Rank 0 submits its own writes; a follower's go to it as a ``WriteCommand`` over the TP group (after
+the forwards that computed the pages) and come back as a ``WriteReply``. D rank s's region is
+opened as its own segment (``rank_descriptor``); D rank 0's is the destination's segment. Since
+those writes travel over several endpoints, the transfer engine's notice ordering (behind earlier
+batches to ONE segment) does not cover them: ``DeltaSender`` queues the notice only once every
+rank batch of the job completed.
+
+Strided per-rank puts, not a staging gather (rank 0 gathering every head into one buffer, one put
+per run): the gather would add a collective and a copy on P's scheduler thread for every batch, a
+registered staging buffer, and still need per-rank puts whenever D runs more than one rank; the
+per-rank puts go straight from each rank's own pool, in parallel across ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pd_common.head_slices import PageShape, RankWrite, plan_rank_writes, slice_descriptors
+from pd_common.tp_rank import WriteCommand, WriteReply, WriteTarget
+from transfer_svc.engine import BatchStatus, DescriptorError, State
+from transfer_svc.rank_regions import RankRegion, rank_descriptor, rank_regions
+
+
+@dataclass(frozen=True)
+class RankPages:
+    """What one (P rank, D rank) write of a batch moved: pages of heads ``[head_start, head_end)``."""
+
+    src_rank: int
+    dst_rank: int
+    head_start: int
+    head_end: int
+    pages: int
+
+
+@dataclass
+class _RankBatch:
+    local: list[int]                      # rank 0's batch ids
+    remote: dict[int, int]                # follower rank -> command id
+    nbytes: int
+    writes: list[RankPages]
+    failed: str = ""
+    replies: dict[int, WriteReply] = field(default_factory=dict)  # follower rank -> its reply
+
+
+class RankWriter:
+    """Rank batches of P's pages into a D segment (see the module docstring).
+
+    Args:
+        transfer: rank 0's transfer engine. group: P's ``TPGroup`` (None: P runs one rank).
+        regions: P's rank regions, rank order (``pd_common.tp_rank.local_region`` for rank 0, the
+            followers' descriptors for the others). shape: the page shape P publishes.
+    """
+
+    def __init__(self, transfer, group, regions: Sequence[RankRegion], shape: PageShape):
+        self.transfer, self.group, self.regions, self.shape = transfer, group, list(regions), shape
+        self._ids = itertools.count(1)
+        self._cmd_ids = itertools.count(1)
+        self._batches: dict[int, _RankBatch] = {}
+        self._by_cmd: dict[int, int] = {}  # command id -> rank batch id
+
+    def per_rank(self, segment) -> bool:
+        """Whether writes into ``segment`` (D's) go rank by rank: P or D runs several ranks."""
+        return len(self.regions) > 1 or segment.kv_layout.tp_size > 1
+
+    def refusal(self, segment) -> str | None:
+        """Why D's kv heads cannot be mapped onto P's ranks (its descriptor's regions are malformed,
+        or some D head is held by no P rank), or None."""
+        try:
+            plan_rank_writes(self.regions, rank_regions(segment.descriptor))
+        except (ValueError, DescriptorError) as e:
+            return f"decode's KV shards cannot be written from this prefill worker's: {e}"
+        return None
+
+    def submit(self, segment, src_pages: Sequence[int], dst_pages: Sequence[int],
+               not_after: float | None) -> tuple[int, int, list[RankPages]]:
+        """Write ``src_pages[i]`` of every P rank into ``dst_pages[i]`` of D's ranks -> (rank batch
+        id, bytes, what each rank pair moves). Call from the thread that runs P's forwards.
+
+        Raises:
+            ValueError / DescriptorError: D's kv heads cannot be mapped onto P's, or a page is out
+                of range (nothing was submitted).
+            TransferError, TPRankDied: a write could not be queued (earlier writes of the batch may
+                have been; the rank batch is FAILED then and still needs ``release``).
+        """
+        desc = segment.descriptor
+        dst_regions = rank_regions(desc)
+        plan = plan_rank_writes(self.regions, dst_regions)
+        src_pages, dst_pages = [int(p) for p in src_pages], [int(p) for p in dst_pages]
+        local: list[tuple[RankWrite, object, list]] = []
+        remote: dict[int, list[WriteTarget]] = {}
+        nbytes = 0
+        for w in plan:  # every descriptor is built (and checked) before anything is submitted
+            src, dst = self.regions[w.src_rank], dst_regions[w.dst_rank]
+            descs = slice_descriptors(w, src, dst, self.shape, src_pages, dst_pages)
+            nbytes += sum(d[2] for d in descs)
+            if w.src_rank == 0:
+                local.append((w, dst, descs))
+            else:
+                sub = rank_descriptor(desc, w.dst_rank)
+                remote.setdefault(w.src_rank, []).append(WriteTarget(
+                    sub.SerializeToString().hex(), [dst.rank, dst.head_start, dst.head_end, dst.base, dst.length],
+                    w.head_start, w.head_end))
+        writes = [RankPages(w.src_rank, w.dst_rank, w.head_start, w.head_end, len(src_pages)) for w in plan]
+        bid = next(self._ids)
+        batch = self._batches[bid] = _RankBatch([], {}, nbytes, writes)
+        try:
+            for w, dst, descs in local:
+                seg = segment if w.dst_rank == 0 else self.transfer.open_segment(rank_descriptor(desc, w.dst_rank))
+                batch.local.append(self.transfer.submit(seg, descs, not_after=not_after))
+            for rank, targets in remote.items():
+                cid = next(self._cmd_ids)
+                shape = [self.shape.num_layers, self.shape.page_size, self.shape.head_dim, self.shape.itemsize]
+                self.group.send_command(rank, WriteCommand(cid, targets, src_pages, dst_pages, not_after,
+                                                           shape).encode())
+                batch.remote[rank] = cid
+                self._by_cmd[cid] = bid
+        except Exception as e:
+            batch.failed = f"KV write not queued: {e}"
+        return bid, nbytes, writes
+
+    def _collect(self) -> None:
+        for rank in range(1, len(self.regions)):
+            q = self.group.replies(rank)
+            while True:
+                try:
+                    data = q.get_nowait()
+                except queue.Empty:
+                    break
+                reply = WriteReply.decode(data)
+                bid = self._by_cmd.pop(reply.id, None)
+                if bid in self._batches:
+                    self._batches[bid].replies[rank] = reply
+
+    def status(self, bid: int) -> BatchStatus:
+        """PENDING while any rank's writes may still read P's pages or write D's; then COMPLETED,
+        or FAILED with the first reason. A follower that died (P's group is dead) writes nothing
+        more, so its missing reply counts as failed, not pending."""
+        b = self._batches[bid]
+        if self.group is not None and len(self.regions) > 1:
+            self._collect()
+        reasons = [b.failed] if b.failed else []
+        pending = False
+        for lb in b.local:
+            st = self.transfer.status(lb)
+            if st.state is State.FAILED:
+                reasons.append(st.reason)
+            pending |= st.state is State.PENDING
+        dead = self.group.dead if self.group is not None else None
+        for rank in b.remote:
+            reply = b.replies.get(rank)
+            if reply is None and dead:
+                reasons.append(dead)
+            elif reply is None:
+                pending = True
+            elif not reply.ok:
+                reasons.append(reply.reason)
+        if pending:
+            return BatchStatus(State.PENDING, 0, b.nbytes)
+        if reasons:
+            return BatchStatus(State.FAILED, 0, b.nbytes, reasons[0])
+        return BatchStatus(State.COMPLETED, b.nbytes, b.nbytes)
+
+    def release(self, bid: int) -> None:
+        b = self._batches.pop(bid, None)
+        if b is None:
+            return
+        for lb in b.local:
+            self.transfer.release(lb)
+        for cid in b.remote.values():
+            self._by_cmd.pop(cid, None)

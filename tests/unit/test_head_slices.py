@@ -1,0 +1,131 @@
+"""Per-rank KV writes (pd_common/head_slices.py, transfer_svc/rank_regions.py): the plan and its puts,
+applied byte for byte to real sharded pools (torch tensors standing in for the ranks' memory),
+rebuild exactly the pages a single-rank pool would hold; the per-rank descriptor's digest covers the
+new fields and a descriptor's regions are read back per rank."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from pd_common.head_slices import PageShape, RankWrite, plan_rank_writes, slice_descriptors
+from protos import registry_pb2
+from transfer_svc.digest import descriptor_digest
+from transfer_svc.rank_regions import RankRegion, rank_descriptor, rank_regions, tp_descriptor
+from transfer_svc.segments import validate_descriptor
+from transfer_svc.types import DescriptorError
+
+LAYERS, PS, HD, KV = 3, 4, 2, 3  # SmolLM2's 3 kv heads, small everything else
+SHAPE = PageShape(LAYERS, PS, HD, 4)
+
+
+def split(kv: int, tp: int) -> list[tuple[int, int]]:
+    """The engine's head ranges (engine/distributed/shard.py) for kv >= tp, replicated below."""
+    if kv >= tp:
+        base, extra = divmod(kv, tp)
+        out, start = [], 0
+        for r in range(tp):
+            n = base + (r < extra)
+            out.append((start, start + n))
+            start += n
+        return out
+    per = tp // kv
+    return [(r // per, r // per + 1) for r in range(tp)]
+
+
+def pools(tp: int, pages: int, full: torch.Tensor | None = None):
+    """One pool per rank ``[pages, layers, 2, ps, heads, hd]``: slices of ``full`` or zeros."""
+    out = []
+    for lo, hi in split(KV, tp):
+        t = full[:, :, :, :, lo:hi].contiguous() if full is not None else \
+            torch.zeros(pages, LAYERS, 2, PS, hi - lo, HD)
+        out.append(t)
+    return out
+
+
+def regions(ts: list[torch.Tensor], tp: int) -> list[RankRegion]:
+    return [RankRegion(r, lo, hi, t.data_ptr(), t.numel() * 4) for r, ((lo, hi), t) in enumerate(zip(split(KV, tp), ts))]
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2), (1, 3), (3, 2), (6, 1), (2, 6)])
+def test_rank_writes_rebuild_the_delta_pages(p_tp, d_tp):
+    torch.manual_seed(0)
+    full = torch.randn(6, LAYERS, 2, PS, KV, HD)
+    src_t, dst_t = pools(p_tp, 6, full), pools(d_tp, 8)
+    src, dst = regions(src_t, p_tp), regions(dst_t, d_tp)
+    src_pages, dst_pages = [1, 2, 4], [7, 0, 3]
+    plan = plan_rank_writes(src, dst)
+    for d in dst:  # every D head is written exactly once
+        got = sorted(h for w in plan if w.dst_rank == d.rank for h in range(w.head_start, w.head_end))
+        assert got == list(range(d.head_start, d.head_end))
+    for w in plan:
+        for la, ra, n in slice_descriptors(w, src[w.src_rank], dst[w.dst_rank], SHAPE, src_pages, dst_pages):
+            ctypes.memmove(ra, la, n)
+    want = torch.zeros(8, LAYERS, 2, PS, KV, HD)
+    want[dst_pages] = full[src_pages]
+    for (lo, hi), t in zip(split(KV, d_tp), dst_t):
+        assert torch.equal(t, want[:, :, :, :, lo:hi])
+
+
+def test_same_split_moves_whole_pages_and_other_splits_token_rows():
+    src = [RankRegion(0, 0, 2, 1 << 20, 10 * SHAPE.stride(2)), RankRegion(1, 2, 3, 1 << 30, 10 * SHAPE.stride(1))]
+    whole = slice_descriptors(RankWrite(0, 0, 0, 2), src[0], src[0], SHAPE, [1, 2], [3, 4])
+    assert whole == [((1 << 20) + SHAPE.stride(2), (1 << 20) + 3 * SHAPE.stride(2), SHAPE.stride(2)),
+                     ((1 << 20) + 2 * SHAPE.stride(2), (1 << 20) + 4 * SHAPE.stride(2), SHAPE.stride(2))]
+    one = RankRegion(0, 0, 3, 1 << 40, 10 * SHAPE.stride(3))
+    rows = slice_descriptors(RankWrite(1, 0, 2, 3), src[1], one, SHAPE, [0], [0])
+    assert len(rows) == 2 * LAYERS * PS and {n for _, _, n in rows} == {SHAPE.row_bytes(1)}
+
+
+def test_unmappable_heads_and_pages_are_refused():
+    a = [RankRegion(0, 0, 2, 1 << 20, 10 * SHAPE.stride(2))]
+    b = [RankRegion(0, 0, 3, 1 << 30, 10 * SHAPE.stride(3))]
+    with pytest.raises(ValueError, match="kv head 2 of decode rank 0 is held by no prefill rank"):
+        plan_rank_writes(a, b)
+    with pytest.raises(ValueError, match="outside rank 0's region of 10 pages"):
+        slice_descriptors(RankWrite(0, 0, 0, 2), a[0], b[0], SHAPE, [10], [0])
+
+
+def _desc(name: str, addr: bytes, base: int) -> registry_pb2.SegmentDescriptor:
+    d = registry_pb2.SegmentDescriptor(name=name, incarnation="inc", worker_address=addr)
+    d.kv_layout.layout, d.kv_layout.kv_heads, d.kv_layout.tp_size = "page_major", KV, 2
+    d.regions.add(base=base, length=4096, rkey=b"k" * 8, location="cpu")
+    d.digest = descriptor_digest(d)
+    return d
+
+
+def test_tp_descriptor_lists_every_rank_and_its_digest_covers_them():
+    rank0, rank1 = _desc("d", b"a" * 16, 1 << 20), _desc("d#rank1", b"b" * 16, 1 << 20)  # same address
+    desc = tp_descriptor(rank0, [(0, 2), (2, 3)], [rank1])
+    validate_descriptor(desc)  # two processes' regions may share an address
+    assert rank_regions(desc) == [RankRegion(0, 0, 2, 1 << 20, 4096), RankRegion(1, 2, 3, 1 << 20, 4096)]
+    sub = rank_descriptor(desc, 1)
+    validate_descriptor(sub)
+    assert sub.name == "d#rank1" and sub.worker_address == b"b" * 16 and len(sub.regions) == 1
+    desc.regions[1].kv_head_start = 1  # an edited head range no longer matches the digest
+    with pytest.raises(DescriptorError, match="digest mismatch"):
+        validate_descriptor(desc)
+
+
+def test_a_single_rank_descriptor_is_one_region_with_every_head():
+    d = _desc("old", b"a" * 16, 1 << 20)
+    d.kv_layout.tp_size = 0
+    assert rank_regions(d) == [RankRegion(0, 0, KV, 1 << 20, 4096)]
+
+
+def test_the_router_pairs_pools_of_any_tp_split_and_refuses_other_heads():
+    """router_svc/worker.py compares the published layouts, which describe every rank's kv heads."""
+    from engine.kvcache.kv_pool import KVPool
+    from pd_common.protocol import kv_layout
+    from router_svc.worker import kv_page_bytes, kv_signature
+
+    def layout(heads, tp, total):
+        return kv_layout(KVPool(4, PS, LAYERS, heads, HD, torch.float32, torch.device("cpu")), "m", tp, total)
+
+    one, rank0_of_two = layout(KV, 1, None), layout(2, 2, KV)
+    assert kv_signature(one) == kv_signature(rank0_of_two) and rank0_of_two.tp_size == 2 and one.tp_size == 0
+    assert kv_page_bytes(one) == kv_page_bytes(rank0_of_two) == SHAPE.stride(KV)
+    assert PageShape.from_layout(rank0_of_two) == SHAPE
+    assert kv_signature(layout(2, 2, 4)) != kv_signature(one)  # other kv heads: cannot map, never paired
