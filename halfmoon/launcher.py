@@ -93,6 +93,7 @@ class StackConfig:
     auth: AuthMode = AuthMode.TOKEN  # token | tls | open (halfmoon.stack_credentials)
     tls_dir: str = ""               # tls: certificates from `halfmoon certs` (default: made in log_dir)
     registry: str = "memory"        # "etcd": the registry keeps records in a local etcd started here
+    max_context: int | None = None  # tokens per request every worker and the router serve (None: the model's)
 
     def device_of(self, role: str, idx: int) -> str:
         """Device of worker ``idx`` of ``role`` ("prefill" | "decode")."""
@@ -182,7 +183,7 @@ class Stack:
                     "--torch-threads", str(threads),
                     "--kv-memory-mb", str(c.decode_kv_memory_mb if role == "decode" else c.kv_memory_mb),
                     "--device", c.device_of(role, idx), "--dtype", c.dtype, "--load-format", c.load_format,
-                    *creds.process_args(wid), *c.worker_args, *c.role_args.get(role, [])]
+                    *creds.process_args(wid), *self._context_args(), *c.worker_args, *c.role_args.get(role, [])]
             p = Proc(wid, argv, self.log_dir / f"{wid}.log", _WORKER_RE,
                      extra_env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
             self.procs.append(p)
@@ -191,7 +192,8 @@ class Stack:
         router = Proc("router", ["serve-router", "--model", c.model, "--host", c.host, "--port", str(self._port(0)),
                                  "--http-port", str(self._port(1)), "--metrics-port", str(self._port(2)),
                                  "--registry", registry, *self._policy_args(), "--page-size", str(c.page_size),
-                                 *creds.process_args("router"), *creds.router_args(), *c.router_args],
+                                 *creds.process_args("router"), *creds.router_args(), *self._context_args(),
+                                 *c.router_args],
                       self.log_dir / "router.log", _ROUTER_RE, extra_env={"OMP_NUM_THREADS": "1"})
         self.procs.append(router)
         router.start()
@@ -209,6 +211,9 @@ class Stack:
                                          "pid": p.popen.pid})
         self._wait_router_sees_workers(rg, n, deadline)
         return self.endpoints
+
+    def _context_args(self) -> list[str]:
+        return [] if self.cfg.max_context is None else ["--max-context", str(self.cfg.max_context)]
 
     def _policy_args(self) -> list[str]:
         c = self.cfg
@@ -301,6 +306,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "agree on --kv-layout: pass it in both --prefill-args and --decode-args")
     p.add_argument("--router-args", default="", help="extra flags of the router, one string (e.g. "
                    "\"--local-prefill-max-tokens 256\" with --policy kv_events; see halfmoon serve-router --help)")
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="tokens per request, prompt + output, for the router and every worker (vLLM's "
+                        "--max-model-len; default: the model's window). A smaller cap lets D's pool hold "
+                        "more requests that leave max_tokens unset (they ask for the rest of it)")
     p.add_argument("--registry", default="memory", choices=["memory", "etcd"],
                    help="etcd: start a local etcd (Debian etcd-server) on loopback and keep the "
                         "registry's records there")
@@ -344,6 +353,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         for dev in spec.split(","):
             if not re.fullmatch(r"cpu|cuda(:\d+)?", dev.strip()):
                 raise SystemExit(f"up: {flag}: {dev.strip()!r} is not cpu, cuda or cuda:N")
+    if args.max_context is not None and args.max_context <= 0:
+        raise SystemExit(f"up: --max-context must be > 0, got {args.max_context}")
     if args.policy == "kv_events" and (args.prefill_policy or args.decode_policy):
         raise SystemExit("up: --prefill-policy / --decode-policy are for --policy per_role")
     return StackConfig(auth=auth_mode(args), tls_dir=args.tls_dir, model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
@@ -353,7 +364,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                        decode_kv_memory_mb=args.decode_kv_memory_mb, torch_threads=args.torch_threads,
                        log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
                        prefill_device=args.prefill_device, decode_device=args.decode_device, dtype=args.dtype,
-                       load_format=args.load_format, registry=args.registry,
+                       load_format=args.load_format, registry=args.registry, max_context=args.max_context,
                        role_args={"prefill": role_args("prefill", args.prefill_args),
                                   "decode": role_args("decode", args.decode_args)},
                        router_args=role_args("router", args.router_args))

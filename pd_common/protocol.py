@@ -104,12 +104,13 @@ def token_logprob(token_id: int, logprob: float | None,
     return msg
 
 
-def kv_layout(kv_pool, model: str) -> registry_pb2.KVLayout:
+def kv_layout(kv_pool, model: str, max_context: int = 0) -> registry_pb2.KVLayout:
     """The KVLayout of an ``engine.kvcache.kv_pool.KVPool``, in the pool's own layout.
 
     page_major: ``buffer_addrs`` = [the one region], ``page_stride_bytes`` = a whole page (every
     layer's K and V, ``2 * num_layers * page_bytes``); layer_major: ``buffer_addrs`` = [K_0, V_0, K_1,
     ...], ``page_stride_bytes`` = ``page_bytes``. ``page_bytes`` is one page of one layer's K or V.
+    ``max_context``: the tokens per request the worker serves (``--max-context``), 0 = not said.
     """
     bufs = kv_pool.buffers()
     return registry_pb2.KVLayout(
@@ -117,7 +118,7 @@ def kv_layout(kv_pool, model: str) -> registry_pb2.KVLayout:
         num_pages=kv_pool.num_pages, kv_heads=kv_pool.num_kv_heads, head_dim=kv_pool.head_dim,
         dtype=str(kv_pool.dtype).removeprefix("torch."),
         buffer_addrs=[b.data_ptr() for b in bufs], page_bytes=kv_pool.page_bytes,
-        page_stride_bytes=kv_pool.page_stride_bytes, model=model)
+        page_stride_bytes=kv_pool.page_stride_bytes, model=model, max_context=max_context)
 
 
 def page_checksums(kv_pool, pages: Sequence[int]) -> list[int]:

@@ -29,7 +29,7 @@ class MemoryRegion(_message.Message):
     def __init__(self, base: _Optional[int] = ..., length: _Optional[int] = ..., rkey: _Optional[bytes] = ..., location: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("layout", "num_layers", "page_size", "num_pages", "kv_heads", "head_dim", "dtype", "buffer_addrs", "page_bytes", "page_stride_bytes", "model")
+    __slots__ = ("layout", "num_layers", "page_size", "num_pages", "kv_heads", "head_dim", "dtype", "buffer_addrs", "page_bytes", "page_stride_bytes", "model", "max_context")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class KVLayout(_message.Message):
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGE_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     layout: str
     num_layers: int
     page_size: int
@@ -52,7 +53,8 @@ class KVLayout(_message.Message):
     page_bytes: int
     page_stride_bytes: int
     model: str
-    def __init__(self, layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., buffer_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    max_context: int
+    def __init__(self, layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., buffer_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., model: _Optional[str] = ..., max_context: _Optional[int] = ...) -> None: ...
 
 class SegmentDescriptor(_message.Message):
     __slots__ = ("name", "incarnation", "worker_address", "regions", "kv_layout", "host_id", "pid", "pid_start_ticks", "digest")
