@@ -10,7 +10,7 @@ import pytest
 from tests.e2e.conftest import MODEL, stack_fixture, worker_targets
 from tests.integration.conftest import assert_idle_accounting
 
-CAP = 256
+CAP = 128
 stack = stack_fixture(1, 1, max_context=CAP)
 
 # rambles on past the cap with greedy decoding on the default model (never an early EOS)
