@@ -21,8 +21,19 @@ Two workloads per mode, each on a fresh stack (``halfmoon up --base-port 0`` as 
   reserve is scaled with the pool (16 tokens; the default 128 would cover all 128 outputs, i.e. be
   ``full``).
 
-For natural and pressure: output tok/s, TTFT/ITL p50/p99, D's retractions, failed requests, the
-per-request completion lengths and finish reasons.
+* **pressure-unset** (the case on-demand admission is for, under pool pressure): ``halfmoon up
+  --max-context 1024`` (router and workers), 14 concurrent greedy chats **without** ``max_tokens``, so
+  the router asks for the rest of the 1024-token cap and ``full`` reserves 1023 slots (64 pages) for
+  each; half short answers (8-24 tokens), half long-form prompts that write 180-335 tokens and end
+  on EOS (``UNSET_*``: lengths measured with the default model). Decode pool ``UNSET_PAGES`` (64
+  pages, 1024 tokens): one full reservation fits, two do not, so ``full`` runs one request at a
+  time, while the tokens the 14 hold in all are ~2.5x the pool (``working_set_x_pool`` in the JSON).
+  The router's ``--request-timeout`` and the client's are ``UNSET_TIMEOUT_S`` (1200 s): under
+  ``full`` the last request waits for all the others.
+
+For natural, pressure and pressure-unset: output tok/s, TTFT/ITL p50/p99, D's retractions, failed
+requests, the per-request completion lengths and finish reasons, and the box's load average at the
+start and end of the run (the box may be shared: ``os.getloadavg``).
 
 Prints a table and writes JSON (``config``, per mode and workload ``summary``, ratios ondemand/full).
 """
@@ -41,6 +52,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import grpc
 
 from bench import endpoints
 from bench.results_file import write_result
@@ -66,6 +79,19 @@ NATURAL = ["Say hi.", "Name a color.", "What is 2 + 2?", "Name a fruit.", "Say t
            "Explain how the water cycle works, with examples.",
            "Write a detailed guide to learning to play the guitar.",
            "Tell a long story about a sailor lost at sea."]
+
+
+UNSET_CONTEXT = 1024  # --max-context of the pressure-unset stack
+UNSET_PAGES = 64  # decode pool of pressure-unset: one full reservation (1023 slots, 64 pages) fits, two do not
+UNSET_SHORT = NATURAL[:7]
+UNSET_TIMEOUT_S = 1200  # full runs them one at a time: the last waits for all the others
+# greedy output lengths on the default model (under the 1024 cap, ending on EOS): 182, 185, 221, 282,
+# 327, 330, 333 tokens
+UNSET_LONG = ["Explain photosynthesis to a high school student.", "Give me ten tips for better sleep.",
+              "Explain the difference between weather and climate.",
+              "Describe, step by step, how to plant a vegetable garden.",
+              "Explain how the water cycle works, with examples.", "Explain how vaccines work.",
+              "Explain in detail how a car engine works."]
 
 
 class UpStack:
@@ -100,7 +126,7 @@ def _stream(client, kind: str, payload) -> dict:
     """One streamed request: times (s since send) of each chunk with content, completion tokens,
     finish reason, or the error that ended it."""
     t0 = time.monotonic()
-    times, usage, finish, error = [], None, None, None
+    times, usage, finish, error, prompt_tokens = [], None, None, None, 0
     try:
         if kind in ("chat", "natural"):
             extra = {"max_tokens": NATURAL_MAX_TOKENS} if kind == "natural" else {}
@@ -119,11 +145,11 @@ def _stream(client, kind: str, payload) -> dict:
             if chunk.choices and chunk.choices[0].finish_reason:
                 finish = chunk.choices[0].finish_reason
             if chunk.usage is not None:
-                usage = chunk.usage.completion_tokens
+                usage, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
     except Exception as e:  # a failed request is a result here, reported as such
         error = f"{type(e).__name__}: {e}"
     return {"times": times, "e2e": time.monotonic() - t0, "tokens": usage if usage is not None else len(times),
-            "finish": finish, "error": error}
+            "prompt_tokens": prompt_tokens, "finish": finish, "error": error}
 
 
 def _poll_batch(address: str, stop: threading.Event, out: list, credentials) -> None:
@@ -131,7 +157,10 @@ def _poll_batch(address: str, stop: threading.Event, out: list, credentials) -> 
         stub = decode_pb2_grpc.DecodeStub(ch)
         t0 = time.monotonic()
         while not stop.is_set():
-            rep = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=30)
+            try:
+                rep = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=30)
+            except grpc.RpcError:  # a loaded box can delay D's answer: a gap in the series, not the end
+                continue
             out.append((round(time.monotonic() - t0, 2), rep.running_requests))
             time.sleep(0.05)
 
@@ -142,18 +171,19 @@ def _metric(address: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in lines if line.startswith(name) and not line.startswith("#"))
 
 
-def _run(stack: UpStack, kind: str, payloads: list) -> dict:
+def _run(stack: UpStack, kind: str, payloads: list, timeout_s: float = 600) -> dict:
     import openai
 
     ep = stack.endpoints
     client = openai.OpenAI(base_url=f"http://{ep['router']['http']}/v1", api_key=ep.get("api_key") or "x",
-                           timeout=600, max_retries=0)
+                           timeout=timeout_s, max_retries=0)
     dec = ep["decode"][0]
     retr0 = _metric(dec["metrics"], "halfmoon_decode_retractions_total")
     stop, batch = threading.Event(), []
     poller = threading.Thread(target=_poll_batch, args=(dec["grpc"], stop, batch, endpoints.cluster_credentials(ep)),
                               daemon=True)
     poller.start()
+    load0 = os.getloadavg()
     t0 = time.monotonic()
     with ThreadPoolExecutor(len(payloads)) as ex:
         recs = list(ex.map(lambda p: _stream(client, kind, p), payloads))
@@ -165,6 +195,9 @@ def _run(stack: UpStack, kind: str, payloads: list) -> dict:
     return {"requests": len(recs), "failed": sum(r["error"] is not None for r in recs),
             "errors": sorted({r["error"] for r in recs if r["error"]}),
             "completion_tokens": [r["tokens"] for r in recs], "finish": [r["finish"] for r in recs],
+            "prompt_tokens": [r["prompt_tokens"] for r in recs],
+            "loadavg_1_5_15_start": [round(x, 2) for x in load0],
+            "loadavg_1_5_15_end": [round(x, 2) for x in os.getloadavg()],
             "total_s": round(total, 2), "output_tokens": toks,
             "output_tok_s": round(toks / total, 2),
             "ttft_ms": distribution([r["times"][0] for r in recs if r["times"]], 1000),
@@ -181,6 +214,8 @@ def bench_mode(mode: str, tmp: Path, workloads: tuple[str, ...]) -> dict:
         out["natural"] = _natural(mode, tmp)
     if "pressure" in workloads:
         out["pressure"] = _pressure(mode, tmp)
+    if "pressure-unset" in workloads:
+        out["pressure-unset"] = _pressure_unset(mode, tmp)
     return out
 
 
@@ -210,11 +245,23 @@ def _pressure(mode: str, tmp: Path) -> dict:
         return _run(st, "completion", prompts)
 
 
+def _pressure_unset(mode: str, tmp: Path) -> dict:
+    args = f"--decode-reserve {mode} --num-pages {UNSET_PAGES}"
+    extra = ["--max-context", str(UNSET_CONTEXT), f"--router-args=--request-timeout {UNSET_TIMEOUT_S}"]
+    with UpStack(args, extra, tmp / f"{mode}-pressure-unset") as st:
+        out = _run(st, "chat", UNSET_SHORT + UNSET_LONG, timeout_s=UNSET_TIMEOUT_S)
+    held = sum(p + c for p, c in zip(out["prompt_tokens"], out["completion_tokens"]))
+    out["working_set_x_pool"] = round(held / (UNSET_PAGES * 16), 2)
+    return out
+
+
 def _table(res: dict) -> str:
     rows = [("workload", "metric", "ondemand", "full", "ondemand/full")]
     for w, keys in (("chats", ("total_s", "alone_s", "vs_alone", "peak_batch", "retractions")),
                     ("natural", ("output_tok_s", "total_s", "output_tokens", "retractions", "failed", "peak_batch")),
-                    ("pressure", ("output_tok_s", "total_s", "output_tokens", "retractions", "failed", "peak_batch"))):
+                    ("pressure", ("output_tok_s", "total_s", "output_tokens", "retractions", "failed", "peak_batch")),
+                    ("pressure-unset", ("output_tok_s", "total_s", "output_tokens", "retractions", "failed",
+                                        "peak_batch", "working_set_x_pool"))):
         if w not in res["ondemand"]:
             continue
         for k in keys:
@@ -225,14 +272,15 @@ def _table(res: dict) -> str:
                 for q in ("p50", "p99"):
                     a, b = res["ondemand"][w][k][q], res["full"][w][k][q]
                     rows.append((w, f"{k} {q}", round(a, 1), round(b, 1), round(a / b, 2) if b else "-"))
-    return "\n".join(f"{r[0]:<9} {r[1]:<14} {r[2]!s:>10} {r[3]!s:>10} {r[4]!s:>14}" for r in rows)
+    return "\n".join(f"{r[0]:<14} {r[1]:<18} {r[2]!s:>10} {r[3]!s:>10} {r[4]!s:>14}" for r in rows)
 
 
 def main(argv=None) -> int:
     global NATURAL_MAX_TOKENS, NATURAL_PAGES
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default="", help="JSON result path (default: bench/results/decode_memory_<time>.json)")
-    p.add_argument("--workloads", default="chats,natural,pressure", help="comma list: chats, natural, pressure")
+    p.add_argument("--workloads", default="chats,natural,pressure,pressure-unset",
+                   help="comma list: chats, natural, pressure, pressure-unset")
     p.add_argument("--natural-max-tokens", type=int, default=NATURAL_MAX_TOKENS,
                    help="max_tokens the natural workload's chats advertise (default %(default)s)")
     p.add_argument("--natural-pages", type=int, default=NATURAL_PAGES,
@@ -246,7 +294,8 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="hm-decode-memory-"))
     res = {"config": {"model": MODEL, "chats": len(CHATS), "pressure_decode_pages": PRESSURE_PAGES,
                       "natural_decode_pages": NATURAL_PAGES, "natural_max_tokens": NATURAL_MAX_TOKENS,
-                      "natural_requests": len(NATURAL)}}
+                      "natural_requests": len(NATURAL), "unset_max_context": UNSET_CONTEXT,
+                      "unset_decode_pages": UNSET_PAGES, "unset_requests": len(UNSET_SHORT + UNSET_LONG)}}
     for mode in ("ondemand", "full"):
         res[mode] = bench_mode(mode, tmp, workloads)
     print(_table(res))

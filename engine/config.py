@@ -119,6 +119,28 @@ class ModelConfig:
         return cls.from_dict(json.loads(p.read_text()))
 
 
+class ContextCapError(ValueError):
+    """A ``--max-context`` the model cannot serve (<= 0, or above its window)."""
+
+
+def served_context(requested: int | None, window: int) -> int:
+    """The context a server serves: ``requested`` (vLLM's ``--max-model-len``, SGLang's
+    ``--context-length``) or, when None, the model's own ``window`` (``max_position_embeddings``),
+    in tokens (prompt + completion).
+
+    Raises:
+        ContextCapError: ``requested`` is <= 0 or above ``window`` (RoPE past the trained window,
+            and a row longer than the model could attend).
+    """
+    if requested is None:
+        return window
+    if requested <= 0:
+        raise ContextCapError(f"--max-context must be > 0, got {requested}")
+    if requested > window:
+        raise ContextCapError(f"--max-context {requested} is above the model's context window of {window} tokens")
+    return requested
+
+
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

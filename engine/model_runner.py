@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import create_backend, resolve_backend_name
-from engine.config import EngineConfig
+from engine.config import EngineConfig, served_context
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.kv_pool import KVPool, pages_for_budget
 from engine.models.cpu_linear import CpuLinear
@@ -68,7 +68,7 @@ class ModelRunner:
         self.num_heads = self.tp_shard.num_q_heads if self.tp_shard else mc.num_heads
         self.num_kv_heads = self.tp_shard.num_kv_heads if self.tp_shard else mc.num_kv_heads
         self.page_size = config.page_size
-        self.max_context = config.max_context or mc.max_position_embeddings
+        self.max_context = served_context(config.max_context, mc.max_position_embeddings)
         num_pages = config.num_pages or pages_for_budget(
             config.kv_memory, config.page_size, mc.num_layers, self.num_kv_heads, mc.head_dim,
             self.dtype, self.device)

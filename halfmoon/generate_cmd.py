@@ -50,6 +50,7 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 def run_offline(args: argparse.Namespace) -> int:
     from engine.engine import Engine
+    from engine.config import ContextCapError
     from engine.engine_args import engine_config_from_args
     from engine.distributed.group import TPRankDied
     from engine.errors import InvalidRequestError, ResourceExhaustedError
@@ -64,7 +65,7 @@ def run_offline(args: argparse.Namespace) -> int:
             sys.stdout.write(out.text)
             sys.stdout.flush()
             last = out
-    except (InvalidRequestError, ResourceExhaustedError) as e:
+    except (InvalidRequestError, ResourceExhaustedError, ContextCapError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
     except TPRankDied as e:

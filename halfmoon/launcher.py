@@ -83,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "agree on --kv-layout: pass it in both --prefill-args and --decode-args")
     p.add_argument("--router-args", default="", help="extra flags of the router, one string (e.g. "
                    "\"--local-prefill-max-tokens 256\" with --policy kv_events; see halfmoon serve-router --help)")
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="tokens per request, prompt + output, for the router and every worker (vLLM's "
+                        "--max-model-len; default: the model's window). A smaller cap lets D's pool hold "
+                        "more requests that leave max_tokens unset (they ask for the rest of it)")
     p.add_argument("--registry", default="memory", choices=["memory", "etcd"],
                    help="etcd: start a local etcd (Debian etcd-server) on loopback and keep the "
                         "registry's records there")
@@ -126,6 +130,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         for dev in spec.split(","):
             if not re.fullmatch(r"cpu|cuda(:\d+)?", dev.strip()):
                 raise SystemExit(f"up: {flag}: {dev.strip()!r} is not cpu, cuda or cuda:N")
+    if args.max_context is not None and args.max_context <= 0:
+        raise SystemExit(f"up: --max-context must be > 0, got {args.max_context}")
     if args.policy == "kv_events" and (args.prefill_policy or args.decode_policy):
         raise SystemExit("up: --prefill-policy / --decode-policy are for --policy per_role")
     return StackConfig(auth=auth_mode(args), tls_dir=args.tls_dir, model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
@@ -135,7 +141,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                        decode_kv_memory_mb=args.decode_kv_memory_mb, torch_threads=args.torch_threads,
                        log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
                        prefill_device=args.prefill_device, decode_device=args.decode_device, dtype=args.dtype,
-                       load_format=args.load_format, registry=args.registry,
+                       load_format=args.load_format, registry=args.registry, max_context=args.max_context,
                        role_args={"prefill": role_args("prefill", args.prefill_args),
                                   "decode": role_args("decode", args.decode_args)},
                        router_args=role_args("router", args.router_args))

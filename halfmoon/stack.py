@@ -105,7 +105,7 @@ class Stack:
                     "--torch-threads", str(threads),
                     "--kv-memory-mb", str(c.decode_kv_memory_mb if role == "decode" else c.kv_memory_mb),
                     "--device", c.device_of(role, idx), "--dtype", c.dtype, "--load-format", c.load_format,
-                    *creds.process_args(wid), *c.worker_args, *c.role_args.get(role, [])]
+                    *creds.process_args(wid), *self._context_args(), *c.worker_args, *c.role_args.get(role, [])]
             p = Proc(wid, argv, self.log_dir / f"{wid}.log", _WORKER_RE,
                      extra_env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
             self.procs.append(p)
@@ -114,7 +114,8 @@ class Stack:
         router = Proc("router", ["serve-router", "--model", c.model, "--host", c.host, "--port", str(self._port(0)),
                                  "--http-port", str(self._port(1)), "--metrics-port", str(self._port(2)),
                                  "--registry", registry, *self._policy_args(), "--page-size", str(c.page_size),
-                                 *creds.process_args("router"), *creds.router_args(), *c.router_args],
+                                 *creds.process_args("router"), *creds.router_args(), *self._context_args(),
+                                 *c.router_args],
                       self.log_dir / "router.log", _ROUTER_RE, extra_env={"OMP_NUM_THREADS": "1"})
         self.procs.append(router)
         router.start()
@@ -132,6 +133,9 @@ class Stack:
                                          "pid": p.popen.pid})
         self._wait_router_sees_workers(rg, n, deadline)
         return self.endpoints
+
+    def _context_args(self) -> list[str]:
+        return [] if self.cfg.max_context is None else ["--max-context", str(self.cfg.max_context)]
 
     def _policy_args(self) -> list[str]:
         c = self.cfg

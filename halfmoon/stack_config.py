@@ -53,6 +53,7 @@ class StackConfig:
     auth: AuthMode = AuthMode.TOKEN  # token | tls | open (halfmoon.stack_credentials)
     tls_dir: str = ""               # tls: certificates from `halfmoon certs` (default: made in log_dir)
     registry: str = "memory"        # "etcd": the registry keeps records in a local etcd started here
+    max_context: int | None = None  # tokens per request every worker and the router serve (None: the model's)
 
     def device_of(self, role: str, idx: int) -> str:
         """Device of worker ``idx`` of ``role`` ("prefill" | "decode")."""

@@ -116,7 +116,8 @@ def token_logprob(token_id: int, logprob: float | None,
     return msg
 
 
-def kv_layout(kv_pool, model: str, tp_size: int = 1, kv_heads: int | None = None) -> registry_pb2.KVLayout:
+def kv_layout(kv_pool, model: str, tp_size: int = 1, kv_heads: int | None = None,
+              max_context: int = 0) -> registry_pb2.KVLayout:
     """The KVLayout of an ``engine.kvcache.kv_pool.KVPool``, in the pool's own layout.
 
     page_major: ``buffer_addrs`` = [the one region], ``page_stride_bytes`` = a whole page (every
@@ -125,6 +126,7 @@ def kv_layout(kv_pool, model: str, tp_size: int = 1, kv_heads: int | None = None
     Under tensor parallelism (``tp_size`` > 1, ``kv_heads`` the model's kv heads while this pool,
     rank 0's, holds only its own) ``kv_heads``, ``page_bytes`` and ``page_stride_bytes`` are those of
     every kv head (registry.proto KVLayout.tp_size).
+    ``max_context``: the tokens per request the worker serves (``--max-context``), 0 = not said.
     """
     bufs = kv_pool.buffers()
     heads = kv_heads or kv_pool.num_kv_heads
@@ -134,15 +136,16 @@ def kv_layout(kv_pool, model: str, tp_size: int = 1, kv_heads: int | None = None
         dtype=str(kv_pool.dtype).removeprefix("torch."),
         buffer_addrs=[b.data_ptr() for b in bufs], page_bytes=kv_pool.page_bytes // kv_pool.num_kv_heads * heads,
         page_stride_bytes=kv_pool.page_stride_bytes // kv_pool.num_kv_heads * heads, model=model,
-        tp_size=tp_size if tp_size > 1 else 0)
+        tp_size=tp_size if tp_size > 1 else 0, max_context=max_context)
 
 
 def published_layout(runner, model: str) -> registry_pb2.KVLayout:
     """The KVLayout a worker publishes for ``runner`` (an ``engine.model_runner.ModelRunner``): its
     pool's, over every rank's kv heads when it runs tensor-parallel."""
     if runner.tp is None:
-        return kv_layout(runner.kv_pool, model)
-    return kv_layout(runner.kv_pool, model, runner.tp.size, runner.model_config.num_kv_heads)
+        return kv_layout(runner.kv_pool, model, max_context=runner.max_context)
+    return kv_layout(runner.kv_pool, model, runner.tp.size, runner.model_config.num_kv_heads,
+                     runner.max_context)
 
 
 def page_checksums(kv_pool, pages: Sequence[int]) -> list[int]:

@@ -62,7 +62,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--max-running-requests", type=int, default=32,
                         help="prefill: requests held at once (req_to_token rows); decode: requests "
                              "decoding at once, plus as many more pre-allocated / waiting for KV")
-    parser.add_argument("--max-context", type=int, default=None, help="tokens per request (default: model's)")
+    parser.add_argument("--max-context", type=int_at_least(1), default=None,
+                        help="tokens per request, prompt + output (default: the model's window); at "
+                             "most the model's window. The router refuses to pair with a worker whose "
+                             "cap is below its own serve-router --max-context")
     parser.add_argument("--chunked-prefill-size", type=int, default=512,
                         help="max prompt tokens per prefill forward (bounds how long one step blocks)")
     parser.add_argument("--transport", default="auto",
@@ -158,6 +161,29 @@ def bind_cuda_device(device) -> None:
         torch.cuda.set_device(device.index or 0)
 
 
+def check_max_context(args) -> None:
+    """Refuse a ``--max-context`` above the model's window before anything loads.
+
+    Raises:
+        SystemExit: one ``error:`` line naming the flag and the window. An unknown model is left to
+            the loader, which names it.
+    """
+    from engine.config import served_context
+    from engine.errors import InvalidRequestError
+    from engine.models.model_loader import resolve_model_config
+
+    if args.max_context is None:
+        return
+    try:
+        cfg, _ = resolve_model_config(args.model, args.load_format)
+    except InvalidRequestError:
+        return
+    try:
+        served_context(args.max_context, cfg.max_position_embeddings)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def engine_config(args, rows: int, disable_radix_cache: bool = False):
     from engine.config import EngineConfig
 
@@ -192,6 +218,7 @@ class Worker:
         if why:
             raise SystemExit(f"error: {why}")
         check_device(args.device)
+        check_max_context(args)
         bind_cuda_device(args.device)  # before the model loads and CUDA graphs are captured
         self.args = args
         self.role = role

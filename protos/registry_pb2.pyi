@@ -37,7 +37,7 @@ class MemoryRegion(_message.Message):
     def __init__(self, base: _Optional[int] = ..., length: _Optional[int] = ..., rkey: _Optional[bytes] = ..., location: _Optional[str] = ..., rank: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., worker_address: _Optional[bytes] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("layout", "num_layers", "page_size", "num_pages", "kv_heads", "head_dim", "dtype", "buffer_addrs", "page_bytes", "page_stride_bytes", "model", "tp_size")
+    __slots__ = ("layout", "num_layers", "page_size", "num_pages", "kv_heads", "head_dim", "dtype", "buffer_addrs", "page_bytes", "page_stride_bytes", "model", "tp_size", "max_context")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class KVLayout(_message.Message):
     PAGE_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     layout: str
     num_layers: int
     page_size: int
@@ -62,7 +63,8 @@ class KVLayout(_message.Message):
     page_stride_bytes: int
     model: str
     tp_size: int
-    def __init__(self, layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., buffer_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., model: _Optional[str] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    max_context: int
+    def __init__(self, layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., buffer_addrs: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., model: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
 
 class SegmentDescriptor(_message.Message):
     __slots__ = ("name", "incarnation", "worker_address", "regions", "kv_layout", "host_id", "pid", "pid_start_ticks", "digest")

@@ -74,6 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-queue", type=int, default=0, metavar="N",
                    help="with --policy kv_events: ... or when it holds part of the prompt and every prefill "
                         "worker has N or more requests queued or running (0 = off)")
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="tokens per request served, prompt + output (vLLM's --max-model-len; default: the "
+                        "model's window, which N may not exceed): /v1/models' max_model_len, the default "
+                        "max_tokens (the rest of it) and the limit longer requests get a 400 "
+                        "context_length_exceeded for; workers registered with a smaller --max-context are "
+                        "not used")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (cache_aware prefix matching)")
     p.add_argument("--health-interval", type=float, default=0.5, help="seconds between worker health/load polls")
     p.add_argument("--max-attempts", type=int, default=2, help="PD pairs tried per request (2 = retry once)")
@@ -148,9 +154,13 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("cluster identity toward workers and registry: %s", credentials.mode)
     door = front_door.FrontDoor.from_args(args)
     model_dir = resolve_model(args.model)
-    tok = RouterTokenizer(args.model if not os.path.isdir(args.model) else model_dir.name, model_dir)
+    try:
+        tok = RouterTokenizer(args.model if not os.path.isdir(args.model) else model_dir.name, model_dir,
+                              max_context=args.max_context)
+    except ValueError as e:
+        raise SystemExit(f"serve-router: {e}") from None
     pool = WorkerPool(model_names=(tok.card.id, str(model_dir)), health_interval=args.health_interval,
-                      credentials=credentials)
+                      credentials=credentials, max_context=tok.card.max_context)
     pair_policy = pair_policy_from_args(args)
     if pair_policy is not None:
         pool.kv_index = pair_policy.index

@@ -47,12 +47,17 @@ class WorkerPool:
         credentials: the router's cluster credentials, for its channels to workers and registry.
         kv_index: when set, every worker's ``KVEvents`` stream is followed into it (``kv_events``
             policy).
+        max_context: the tokens per request this router serves; a registry worker that published a
+            smaller ``--max-context`` is left out (it would refuse requests the router accepts).
     """
 
     def __init__(self, model_names: tuple[str, ...] = (), health_interval: float = 0.5,
                  check_timeout: float = 5.0, max_timeouts: int = 3,
-                 credentials: ClusterCredentials = OPEN, kv_index: KVEventIndex | None = None) -> None:
+                 credentials: ClusterCredentials = OPEN, kv_index: KVEventIndex | None = None,
+                 max_context: int = 0) -> None:
         self.model_names = tuple(model_names)
+        self.max_context = max_context
+        self.left_out: dict[str, str] = {}  # worker id -> why the registry's record is not used
         self.credentials = credentials
         self.health_interval = health_interval
         self.check_timeout = check_timeout
@@ -143,7 +148,8 @@ class WorkerPool:
                     raise NoWorkerError(f"no decode worker's KV pool matches a prefill worker's: "
                                         f"{skipped[0].worker_id} vs {d0.worker_id}: {kv_mismatch(skipped[0], d0)}; "
                                         f"prefill and decode workers need the same flags") from None
-                raise NoWorkerError(f"no healthy prefill worker ({len(self.by_role(PREFILL))} registered)") from None
+                raise NoWorkerError(f"no healthy prefill worker ({len(self.by_role(PREFILL))} registered)"
+                                    + self._left_out_note()) from None
             matching = [w for w in decodes if kv_compatible(p, w)]
             if matching or not decodes:
                 break
@@ -152,7 +158,14 @@ class WorkerPool:
         try:
             return p, self._pick(decode_policy, matching, input_ids, exclude)
         except NoWorkerError:
-            raise NoWorkerError(f"no healthy decode worker ({len(decodes)} registered)") from None
+            raise NoWorkerError(f"no healthy decode worker ({len(decodes)} registered)"
+                                + self._left_out_note()) from None
+
+    def _left_out_note(self) -> str:
+        if not self.left_out:
+            return ""
+        wid, why = next(iter(self.left_out.items()))
+        return f"; {len(self.left_out)} registered worker(s) not used, e.g. {wid}: {why}"
 
     def mark_failed(self, w: Worker, why: str) -> None:
         """Stop picking ``w`` until a health check passes."""
@@ -236,6 +249,20 @@ class WorkerPool:
         names = set(self.model_names) | {Path(m).name for m in self.model_names}
         return model in names or Path(model).name in names
 
+    def _context_short(self, worker_cap: int) -> str:
+        """Why a worker serving ``worker_cap`` tokens per request (0 = unknown) cannot serve this
+        router's requests, or "" when it can."""
+        if worker_cap and worker_cap < self.max_context:
+            return (f"its --max-context {worker_cap} is below the router's {self.max_context} "
+                    f"(serve-router --max-context): give both the same cap")
+        return ""
+
+    def _leave_out(self, worker_id: str, why: str) -> None:
+        if self.left_out.get(worker_id) != why:
+            log.warning("not using worker %s: %s", worker_id, why)
+        self.left_out[worker_id] = why
+        self.remove(worker_id, why)
+
     async def _watch(self, address: str) -> None:
         backoff = 0.2
         while True:
@@ -251,10 +278,14 @@ class WorkerPool:
                         continue
                     if ev.kind == registry_pb2.WorkerEvent.REMOVED:
                         self.remove(rec.worker_id, ev.reason or "removed from registry")
+                        self.left_out.pop(rec.worker_id, None)
                         seen.discard(rec.worker_id)
                     elif not self._model_ok(rec.model):
                         log.warning("ignoring worker %s: model %r is not served here", rec.worker_id, rec.model)
+                    elif (why := self._context_short(rec.segment.kv_layout.max_context)):
+                        self._leave_out(rec.worker_id, why)
                     else:
+                        self.left_out.pop(rec.worker_id, None)
                         w = self.add(rec.worker_id, role, rec.grpc_address)
                         w.kv_signature = kv_signature(rec.segment.kv_layout)
                         w.kv_page_bytes = kv_page_bytes(rec.segment.kv_layout)

@@ -2,7 +2,8 @@
 
 Uses the Hugging Face ``transformers`` tokenizer saved with the model (``tokenizer.json``) and the
 model's own chat template (``chat_template.jinja`` / ``tokenizer_config.json``). The context window is
-``max_position_embeddings`` from ``config.json``.
+``max_position_embeddings`` from ``config.json``, or the smaller cap ``serve-router --max-context``
+serves (vLLM's ``--max-model-len``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from engine.config import served_context
 from router_svc.tool_calls import tools_system_prompt
 
 
@@ -23,7 +25,8 @@ class ModelCard:
     Attributes:
         id: the model name clients send (``"smollm2-135m-instruct"``).
         path: the Hugging Face directory it was loaded from.
-        max_context: context window in tokens (prompt + completion).
+        max_context: context window served, in tokens (prompt + completion): the model's, or the
+            ``--max-context`` cap below it. The default ``max_tokens`` is what is left of it.
         vocab_size: number of token ids; valid ids are ``[0, vocab_size)``.
     """
 
@@ -39,12 +42,16 @@ class RouterTokenizer:
     Args:
         model_id: the name clients use for this model.
         model_dir: Hugging Face directory with ``config.json`` and the tokenizer files.
+        max_context: the served cap in tokens (``--max-context``), None for the model's window.
+
+    Raises:
+        ValueError: ``max_context`` is <= 0 or above the model's window (``engine.config.served_context``).
     """
 
-    def __init__(self, model_id: str, model_dir: Path) -> None:
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+    def __init__(self, model_id: str, model_dir: Path, max_context: int | None = None) -> None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        max_ctx = int(config.get("max_position_embeddings") or 2048)
+        max_ctx = served_context(max_context, int(config.get("max_position_embeddings") or 2048))
+        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
         vocab = max(int(config.get("vocab_size") or 0), len(self.hf))
         self.card = ModelCard(id=model_id, path=Path(model_dir), max_context=max_ctx, vocab_size=vocab)
         self.backend = self.hf.backend_tokenizer  # tokenizers.Tokenizer: the streamed text's detokenizer

@@ -281,3 +281,14 @@ def test_router_policy_values_reach_its_args():
     gpu = router_args("-f", str(GPU_VALUES))
     assert gpu[gpu.index("--policy") + 1] == "kv_events"
     assert gpu[gpu.index("--local-prefill-max-tokens") + 1] == "256"
+
+
+def test_model_max_context_reaches_router_and_workers():
+    """model.maxContext N: `--max-context N` on the router and both worker roles; 0 (default): none."""
+    def args_of(docs, component):
+        return _by(docs, "Deployment", f"hm-halfmoon-{component}")["spec"]["template"]["spec"]["containers"][0]["args"]
+    capped = _render("--set", "model.maxContext=1024")
+    for component in ("router", "prefill", "decode"):
+        a = args_of(capped, component)
+        assert a[a.index("--max-context") + 1] == "1024", component
+        assert "--max-context" not in args_of(_render(), component)

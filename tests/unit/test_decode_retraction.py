@@ -58,11 +58,29 @@ def test_heavy_retraction_keeps_greedy_tokens(model, reference, radix, overlap):
     d = Decode(model, num_pages=14, reserved_decode_tokens=2, disable_radix_cache=not radix,
                overlap_schedule=overlap)
     refs = [reference(p, 25) for p in PROMPTS]
-    before = retractions()
+    before, misses = retractions(), M.DECODE_RESERVE_MISSES._value.get()
     jobs = [d.submit(p, 25) for p in PROMPTS]
     drive(d, jobs, [r[0] for r in refs])
     assert retractions() - before >= 2
+    assert M.DECODE_RESERVE_MISSES._value.get() - misses >= 1  # each retraction follows a miss
     assert max(j.retractions for j in jobs) >= 1
+    for j, ref in zip(jobs, refs):
+        assert outcome(j) == (ref, None), j.request_id
+    d.assert_idle()
+
+
+def test_a_request_retracted_max_retractions_times_is_pinned(model, reference):
+    """With --max-retractions 1 under heavy retraction, no request is retracted twice while another
+    running request can still be chosen: every second retraction of one request is counted as
+    "pinned" (all candidates were), and every stream still equals the request run alone."""
+    d = Decode(model, num_pages=14, reserved_decode_tokens=2, max_retractions=1)
+    refs = [reference(p, 25) for p in PROMPTS]
+    pinned0 = M.DECODE_RETRACTIONS.labels(reason="pinned")._value.get()
+    jobs = [d.submit(p, 25) for p in PROMPTS]
+    drive(d, jobs, [r[0] for r in refs])
+    pinned = M.DECODE_RETRACTIONS.labels(reason="pinned")._value.get() - pinned0
+    assert sum(j.retractions for j in jobs) >= 2
+    assert sum(max(0, j.retractions - 1) for j in jobs) == pinned
     for j, ref in zip(jobs, refs):
         assert outcome(j) == (ref, None), j.request_id
     d.assert_idle()

@@ -48,6 +48,13 @@ def test_offline_generate_bad_device_is_one_error_line():
     assert "error: --device cuda:99:" in p.stderr, p.stderr
 
 
+def test_offline_max_context_above_the_window_is_one_error_line():
+    """`--max-context` above SmolLM2's 8192-token window: exit 2 with one error line, no traceback."""
+    p = _run("hi", "--load-format", "dummy", "--model", "smollm2-135m", "--max-context", "9000")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "error: --max-context 9000 is above the model's context window of 8192 tokens" in p.stderr
+
+
 def test_kv_pool_flag_is_kv_memory_mb(capsys):
     """One pool flag on every command: ``--kv-memory-mb`` (MiB). The old ``--kv-memory`` of this
     command is an error that names it; unset, the engine's default budget applies."""

@@ -85,3 +85,22 @@ def test_worker_with_an_unusable_cuda_device_says_so_in_one_line():
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert "error: --device cuda:99:" in r.stderr, r.stderr
+
+
+def test_max_context_reaches_the_router_and_every_worker(tmp_path):
+    """``up --max-context N``: one cap for the router and both worker roles (their own parsers take it)."""
+    from decode_svc.main import add_arguments as decode_arguments
+    from router_svc.main import add_arguments as router_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = config_from_args(p.parse_args(["--max-context", "1024"]))
+    argv = Stack(StackConfig(max_context=cfg.max_context, log_dir=str(tmp_path)))._context_args()
+    assert argv == ["--max-context", "1024"]
+    for add in (decode_arguments, router_arguments):
+        rp = argparse.ArgumentParser()
+        add(rp)
+        assert rp.parse_args(argv).max_context == 1024
+    assert Stack(StackConfig(log_dir=str(tmp_path)))._context_args() == []  # unset: each takes the model's
+    with pytest.raises(SystemExit, match="--max-context must be > 0, got 0"):
+        config_from_args(p.parse_args(["--max-context", "0"]))
