@@ -160,6 +160,11 @@ def test_gpu_values_request_gpus_and_cuda_image():
         assert c["image"] == "halfmoon:0.1.0-cuda"
         flags = dict(zip(c["args"][1::2], c["args"][2::2]))
         assert flags["--device"] == "cuda" and "cuda_ipc" in flags["--transport"]
+        # a chat without max_tokens asks for the rest of the served window: D's pool must hold one
+        # (56 KiB per token for Qwen2.5-7B bf16), not the CPU default of 512 MiB (~9k tokens)
+        assert flags["--max-context"] == "32768"
+        kv_mb = float(flags["--kv-memory-mb"])
+        assert kv_mb * 2**20 >= 32768 * 56 * 1024 * (8 if role == "decode" else 1), (role, kv_mb)
         hpa = _by(docs, "HorizontalPodAutoscaler", f"hm-halfmoon-{role}")
         assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"].startswith(f"halfmoon_{role}_")
     router = _by(docs, "Deployment", "hm-halfmoon-router")["spec"]["template"]["spec"]["containers"][0]
