@@ -60,19 +60,33 @@ def tiny(tmp_path_factory):
         yield st
 
 
-def test_greedy_under_heavy_retraction_equals_colocated(tiny, tok):
+def _heavy_retraction_equals_colocated(stack, tok):
     prompts = [tok.encode(f"Entry {i}. " + TEXT)[:40] for i in range(8)]
     max_tokens = 48
     ref = colocated_generate(prompts, max_tokens)
-    drv = PDDriver(tiny.prefill_addr, tiny.decode_addr, timeout_s=80)
+    drv = PDDriver(stack.prefill_addr, stack.decode_addr, timeout_s=80)
     results = drv.generate_many(prompts, max_tokens=max_tokens, concurrency=len(prompts))
     drv.close()
     for r, want in zip(results, ref):
         assert r.ok, (r.decode_error, r.prefill_error)
         assert r.tokens == want
-    assert scrape(tiny.decode.metrics_address, "halfmoon_decode_retractions_total") >= 2
-    assert scrape(tiny.decode.metrics_address, "halfmoon_decode_resume_recomputed_tokens_total") > 0
-    assert_idle_accounting(tiny)
+    assert scrape(stack.decode.metrics_address, "halfmoon_decode_retractions_total") >= 2
+    assert scrape(stack.decode.metrics_address, "halfmoon_decode_resume_recomputed_tokens_total") > 0
+    assert_idle_accounting(stack)
+
+
+def test_greedy_under_heavy_retraction_equals_colocated(tiny, tok):
+    _heavy_retraction_equals_colocated(tiny, tok)
+
+
+def test_greedy_under_heavy_retraction_without_the_decode_radix_cache(tmp_path, tok):
+    """No radix cache on D: a retracted request keeps nothing, and its resume recomputes prompt +
+    generated tokens from scratch; the tokens must still be the co-located engine's."""
+    with start_stack(tmp_path, decode_pages=TINY_PAGES,
+                     decode_extra=["--disable-decode-radix-cache", "--num-reserved-decode-tokens", "16",
+                                   "--max-retractions", "4", "--init-new-token-ratio", "0.01",
+                                   "--min-new-token-ratio", "0.01"]) as st:
+        _heavy_retraction_equals_colocated(st, tok)
 
 
 OTHER_TEXT = ("A lighthouse keeper wrote down the colour of the sea each morning, the birds she saw and "
