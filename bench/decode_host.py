@@ -1,18 +1,21 @@
-"""Decode host cost benchmark: D's host work per running request per step, streams coalesced or not.
+"""Decode host cost benchmark: D's host work per running request per step, by stream path.
 
     PYTHONPATH=. python -m bench.decode_host [--batches 32,128,256] [--max-tokens 48] [--model tiny|real] \
-        [--output bench/results/decode_host_cpu.json]
+        [--modes threads,aio] [--output bench/results/decode_host_cpu.json]
 
-For each ``--stream-coalesce`` mode (off: one DecodeChunk per token, the old path; on: a stream that
-fell behind sends the tokens it has in one chunk, ``decode_svc.streams``) one ``halfmoon up`` stack
-(1P1D, ``--max-running-requests`` = the largest batch; both up at once, the modes alternating per
+Modes (D's flags): ``off``: one server thread per stream, one DecodeChunk per token
+(``--stream-server threads --stream-coalesce off``); ``threads``: the same, a lagging stream's tokens
+in one chunk (``--stream-coalesce on``, ``decode_svc.streams``); ``aio``: streams as tasks on one
+``grpc.aio`` loop fed once per step (``--stream-server aio``, the default, ``decode_svc.stream_hub``).
+For each mode one ``halfmoon up`` stack
+(1P1D, ``--max-running-requests`` = the largest batch; all up at once, the modes alternating per
 batch size) serves, for each batch size B, B concurrent
 greedy ``ignore_eos`` requests of short distinct prompts and ``--max-tokens`` outputs through the
 router's gRPC ``Generate`` (one asyncio client). From D's ``/metrics`` over each run:
 ``halfmoon_decode_step_seconds_total{part=host|device}`` and ``halfmoon_decode_step_requests_total``
 give the host µs per request-step and the device ms per step (``decode_svc.step_clock``); plus output
 tok/s, D's chunks per token as the client saw them (router relays one response per D chunk) and the
-ITL p50 per token. Ratios are on / off of the same run.
+ITL p50 per token. Ratios are the last mode / the first one, of the same run.
 """
 
 from __future__ import annotations
@@ -104,9 +107,14 @@ def tiny_model(tmp: Path) -> Path:
     return dst
 
 
-def _stack(coalesce: str, top: int, tmp: Path, model: list[str]) -> UpStack:
-    return UpStack(f"--stream-coalesce {coalesce} --max-running-requests {top}",
-                   [f"--prefill-args=--max-running-requests {top}", *model], tmp / f"coalesce-{coalesce}")
+MODES = {"off": "--stream-server threads --stream-coalesce off",
+         "threads": "--stream-server threads --stream-coalesce on",
+         "aio": "--stream-server aio --stream-coalesce on"}
+
+
+def _stack(mode: str, top: int, tmp: Path, model: list[str]) -> UpStack:
+    return UpStack(f"{MODES[mode]} --max-running-requests {top}",
+                   [f"--prefill-args=--max-running-requests {top}", *model], tmp / f"mode-{mode}")
 
 
 def bench(modes: list[str], batches: list[int], max_tokens: int, tmp: Path, model: list[str]) -> dict:
@@ -122,12 +130,12 @@ def bench(modes: list[str], batches: list[int], max_tokens: int, tmp: Path, mode
     return res
 
 
-def _table(res: dict, batches: list[int]) -> str:
+def _table(res: dict, batches: list[int], first: str, last: str) -> str:
     keys = ("output_tok_s", "host_us_per_request_step", "device_us_per_request_step", "host_share",
             "chunks_per_token", "failed")
-    rows = [("B", "metric", "off", "on", "on/off")]
+    rows = [("B", "metric", first, last, f"{last}/{first}")]
     for b in batches:
-        off, on = res["off"][str(b)], res["on"][str(b)]
+        off, on = res[first][str(b)], res[last][str(b)]
         for k in keys:
             a, c = off[k], on[k]
             rows.append((b, k, a, c, round(c / a, 2) if isinstance(a, (int, float)) and a else "-"))
@@ -140,7 +148,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="32,128,256", help="comma list of concurrent requests")
     p.add_argument("--max-tokens", type=int, default=48, help="output tokens per request (ignore_eos)")
-    p.add_argument("--modes", default="off,on", help="--stream-coalesce modes, in order")
+    p.add_argument("--modes", default="threads,aio", help=f"comma list of {', '.join(MODES)}, in order")
     p.add_argument("--model", default="tiny", choices=["tiny", "real"],
                    help=f"tiny: a 2-layer 64-wide {MODEL} with dummy weights (host cost, fast); real: {MODEL}")
     p.add_argument("--model-dir", default="", help="instead: dummy weights of this config + tokenizer dir "
@@ -160,9 +168,12 @@ def main(argv=None) -> int:
     model += shlex.split(args.up_args)
     res = {"config": {"batches": batches, "max_tokens": args.max_tokens, "model": name, "up_args": args.up_args,
                       "torch_threads": 1, "load_average": os.getloadavg()}}
-    res.update(bench(args.modes.split(","), batches, args.max_tokens, tmp, model))
-    if "on" in res and "off" in res:
-        print(_table(res, batches))
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        p.error(f"--modes: unknown {sorted(unknown)} (choose from {', '.join(MODES)})")
+    res.update(bench(modes, batches, args.max_tokens, tmp, model))
+    if len(modes) > 1:
+        print(_table(res, batches, modes[0], modes[-1]))
     out = Path(args.output or Path(__file__).parent / "results" / f"decode_host_{time.strftime('%Y%m%dT%H%M%S')}.json")
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")

@@ -22,7 +22,8 @@ from protos import decode_pb2
 # the summary D sets on a request's first chunk and on its last one (``RunningBatch.emit``)
 _SUMMARY = ("prompt_tokens", "cached_tokens", "decode_prefix_tokens", "kv_pages_transferred",
             "kv_bytes_transferred", "completion_tokens")
-_OPEN = object()  # no end read yet
+OPEN = object()   # no end read yet
+EMPTY = object()  # nothing waiting
 
 
 def merge_into(acc: decode_pb2.DecodeChunk, nxt: decode_pb2.DecodeChunk) -> None:
@@ -37,6 +38,27 @@ def merge_into(acc: decode_pb2.DecodeChunk, nxt: decode_pb2.DecodeChunk) -> None
         v = getattr(nxt, f)
         if v:
             setattr(acc, f, v)
+
+
+def gather(item: decode_pb2.DecodeChunk, take: Callable[[], object], coalesce: bool) -> object:
+    """Merge into ``item`` every chunk already waiting (``take()``: the next item, or ``EMPTY``),
+    unless not ``coalesce``. Returns the end read behind them (None: finished, or a ServiceError)
+    or ``OPEN``."""
+    while coalesce:
+        nxt = take()
+        if nxt is EMPTY:
+            break
+        if not isinstance(nxt, decode_pb2.DecodeChunk):
+            return nxt
+        merge_into(item, nxt)
+    return OPEN
+
+
+def _get_nowait(out: queue.SimpleQueue) -> object:
+    try:
+        return out.get_nowait()
+    except queue.Empty:
+        return EMPTY
 
 
 class StreamEnd(Exception):
@@ -73,19 +95,10 @@ def stream_chunks(out: queue.SimpleQueue, *, keepalive_s: float, queued: Callabl
             return
         if isinstance(item, ServiceError):
             raise StreamEnd(item)
-        end = _OPEN
-        while coalesce:
-            try:
-                nxt = out.get_nowait()
-            except queue.Empty:
-                break
-            if not isinstance(nxt, decode_pb2.DecodeChunk):
-                end = nxt
-                break
-            merge_into(item, nxt)
+        end = gather(item, lambda: _get_nowait(out), coalesce)
         sent = True
         yield item
         if end is None:
             return
-        if end is not _OPEN:
+        if end is not OPEN:
             raise StreamEnd(end)
