@@ -45,9 +45,7 @@ class AioDecodeServicer(DecodeServicer):
             try:
                 async for chunk in aio_stream_chunks(inbox, keepalive_s=self.queue_keepalive_s,
                                                      queued=lambda: job.state in QUEUED, coalesce=self.coalesce):
-                    if chunk.token_ids or chunk.finish_reason:
-                        stream.sent = True
-                    yield chunk
+                    yield stream.passing(chunk)
             except StreamEnd as e:
                 if stream.handed_back:
                     await Drain.hand_back_aio(context, f"decode worker {self.worker_id}")

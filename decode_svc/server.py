@@ -31,7 +31,7 @@ from engine.grammar import GrammarCompiler
 from pd_common.drain import Drain
 from pd_common.protocol import validate_request
 from pd_common.tokenizer import grammar_state
-from protos import common_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("halfmoon.decode")
 
@@ -54,6 +54,12 @@ class OpenStream:
     job: DecodeJob
     sent: bool = False         # a token went out
     handed_back: bool = False  # ended by the drain: the router continues it elsewhere
+
+    def passing(self, chunk: decode_pb2.DecodeChunk) -> decode_pb2.DecodeChunk:
+        """``chunk``, noted as sent (a keepalive is not a token)."""
+        if chunk.token_ids or chunk.finish_reason:
+            self.sent = True
+        return chunk
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -108,9 +114,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             try:
                 for chunk in stream_chunks(job.out, keepalive_s=self.queue_keepalive_s,
                                            queued=lambda: job.state in QUEUED, coalesce=self.coalesce):
-                    if chunk.token_ids or chunk.finish_reason:
-                        stream.sent = True
-                    yield chunk
+                    yield stream.passing(chunk)
             except StreamEnd as e:
                 if stream.handed_back:
                     Drain.hand_back(context, f"decode worker {self.worker_id}")

@@ -18,8 +18,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from decode_svc.streams import EMPTY, OPEN, StreamEnd, gather
-from pd_common.protocol import ServiceError
+from decode_svc.streams import EMPTY, next_chunk, over
 from protos import decode_pb2
 
 
@@ -68,7 +67,8 @@ class StreamInbox:
     def put(self, item: object) -> None:
         self._hub.post(self, item)
 
-    def _take(self) -> object:
+    def take(self) -> object:
+        """The next item, or ``EMPTY`` (on the loop)."""
         return self.items.popleft() if self.items else EMPTY
 
 
@@ -83,7 +83,7 @@ async def aio_stream_chunks(inbox: StreamInbox, *, keepalive_s: float, queued: C
         queued: whether the request still waits in D (read when a keepalive is due).
         coalesce: merge every chunk already waiting into the one sent (False: one per item).
 
-    Yields DecodeChunks; raises ``StreamEnd`` when the request failed, after the chunks read before.
+    Yields DecodeChunks; raises ``decode_svc.streams.StreamEnd`` when the request failed, after the chunks read before.
     """
     sent = False
     while True:
@@ -95,15 +95,9 @@ async def aio_stream_chunks(inbox: StreamInbox, *, keepalive_s: float, queued: C
                 if queued():  # still before the first token either way
                     yield decode_pb2.DecodeChunk()
             continue
-        item = inbox.items.popleft()
-        if item is None:
+        chunk, end = next_chunk(inbox.items.popleft(), inbox.take, coalesce)
+        if chunk is not None:
+            sent = True
+            yield chunk
+        if over(end):
             return
-        if isinstance(item, ServiceError):
-            raise StreamEnd(item)
-        end = gather(item, inbox._take, coalesce)
-        sent = True
-        yield item
-        if end is None:
-            return
-        if end is not OPEN:
-            raise StreamEnd(end)

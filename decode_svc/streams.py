@@ -54,6 +54,25 @@ def gather(item: decode_pb2.DecodeChunk, take: Callable[[], object], coalesce: b
     return OPEN
 
 
+def next_chunk(item: object, take: Callable[[], object], coalesce: bool) -> tuple[decode_pb2.DecodeChunk | None, object]:
+    """What a stream does with the item it read: (the chunk to send, with every chunk waiting
+    behind it merged in (``gather``), or None; the end behind it, or ``OPEN``). Raises
+    ``StreamEnd`` for a failure read first."""
+    if item is None:
+        return None, None
+    if isinstance(item, ServiceError):
+        raise StreamEnd(item)
+    return item, gather(item, take, coalesce)
+
+
+def over(end: object) -> bool:
+    """Whether the stream ends after its chunk: True when finished (None), raises ``StreamEnd``
+    for a failure, False while ``OPEN``."""
+    if end is not None and end is not OPEN:
+        raise StreamEnd(end)
+    return end is None
+
+
 def _get_nowait(out: queue.SimpleQueue) -> object:
     try:
         return out.get_nowait()
@@ -91,14 +110,9 @@ def stream_chunks(out: queue.SimpleQueue, *, keepalive_s: float, queued: Callabl
             if queued():  # still before the first token either way
                 yield decode_pb2.DecodeChunk()
             continue
-        if item is None:
+        chunk, end = next_chunk(item, lambda: _get_nowait(out), coalesce)
+        if chunk is not None:
+            sent = True
+            yield chunk
+        if over(end):
             return
-        if isinstance(item, ServiceError):
-            raise StreamEnd(item)
-        end = gather(item, lambda: _get_nowait(out), coalesce)
-        sent = True
-        yield item
-        if end is None:
-            return
-        if end is not OPEN:
-            raise StreamEnd(end)

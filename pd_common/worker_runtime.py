@@ -76,9 +76,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                              "a deadline waits until its deadline instead (D may queue it under memory "
                              "pressure)")
     parser.add_argument("--grpc-threads", type=int_at_least(8), default=1024,
-                        help="gRPC server threads: every open Generate stream (decode) and Prefill call "
-                             "(prefill) holds one until it ends, so this bounds concurrent requests; "
-                             "health checks and GetLoad need free ones too. Threads start on demand")
+                        help="gRPC server threads: every open Prefill call (prefill), Generate stream "
+                             "(decode with --stream-server threads; with aio, the default, streams take "
+                             "none) and KVEvents subscription holds one until it ends, so this bounds "
+                             "concurrent requests; health checks and GetLoad need free ones too. Threads "
+                             "start on demand")
     parser.add_argument("--kv-wait-timeout", type=float, default=180.0,
                         help="[decode] seconds a pre-allocated request waits for P's KV and notice")
     parser.add_argument("--kv-write-window", type=float, default=120.0,
