@@ -37,7 +37,7 @@ log = logging.getLogger("halfmoon.decode")
 
 # states in which a request that has streamed nothing is queued in D, not computing
 QUEUED = frozenset({JobState.PREALLOC, JobState.TRANSFER, JobState.WAITING, JobState.RETRACTED,
-                     JobState.LOCAL_PREFILL})
+                    JobState.LOCAL_PREFILL})
 
 
 class Refused(Exception):
