@@ -113,8 +113,8 @@ class RunningBatch:
         last slot (a device sync on CUDA) per request per step."""
         settled = False
         for job in list(self.running):
-            if job.kv_len < job.lease.alloc_len:  # the common step: the slot is already there
-                continue
+            if job.state is not JobState.RUNNING or job.kv_len < job.lease.alloc_len:
+                continue  # retracted by this loop, or the common step: the slot is already there
             while job.state is JobState.RUNNING and not self.kv.grow(job.lease, self.page_end(job.kv_len + 1)):
                 if not settled:  # the step in flight must end before a retraction; its finishes free pages
                     M.DECODE_RESERVE_MISSES.inc()
