@@ -1,18 +1,22 @@
-"""Decode host cost benchmark: D's host work per running request per step, streams coalesced or not.
+"""Decode host cost benchmark: D's host work per running request per step, by stream path.
 
     PYTHONPATH=. python -m bench.decode_host [--batches 32,128,256] [--max-tokens 48] [--model tiny|real] \
-        [--output bench/results/decode_host_cpu.json]
+        [--modes threads,aio] [--output bench/results/decode_host_cpu.json]
 
-For each ``--stream-coalesce`` mode (off: one DecodeChunk per token, the old path; on: a stream that
-fell behind sends the tokens it has in one chunk, ``decode_svc.streams``) one ``halfmoon up`` stack
-(1P1D, ``--max-running-requests`` = the largest batch; both up at once, the modes alternating per
+Modes (D's flags): ``off``: one server thread per stream, one DecodeChunk per token
+(``--stream-server threads --stream-coalesce off``); ``threads``: the same, a lagging stream's tokens
+in one chunk (``--stream-coalesce on``, ``decode_svc.streams``); ``aio``: streams as tasks on one
+``grpc.aio`` loop fed once per step (``--stream-server aio``, the default, ``decode_svc.stream_hub``).
+For each mode one ``halfmoon up`` stack
+(1P1D, ``--max-running-requests`` = the largest batch; all up at once, the modes alternating per
 batch size) serves, for each batch size B, B concurrent
 greedy ``ignore_eos`` requests of short distinct prompts and ``--max-tokens`` outputs through the
 router's gRPC ``Generate`` (one asyncio client). From D's ``/metrics`` over each run:
 ``halfmoon_decode_step_seconds_total{part=host|device}`` and ``halfmoon_decode_step_requests_total``
 give the host µs per request-step and the device ms per step (``decode_svc.step_clock``); plus output
 tok/s, D's chunks per token as the client saw them (router relays one response per D chunk) and the
-ITL p50 per token. Ratios are on / off of the same run.
+ITL p50 per token; D's process CPU µs per request-step (``process_cpu_seconds_total``:
+unlike the wall-time split, not inflated when the OS runs other processes). Ratios are the last mode / the first one, of the same run.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -42,7 +47,8 @@ _TOKS = "halfmoon_decode_generated_tokens_total"
 
 def _d_counters(metrics: str) -> dict:
     return {"host": _metric(metrics, f'{_STEP}{{part="host"}}'), "device": _metric(metrics, f'{_STEP}{{part="device"}}'),
-            "request_steps": _metric(metrics, _REQS), "tokens": _metric(metrics, _TOKS)}
+            "request_steps": _metric(metrics, _REQS), "tokens": _metric(metrics, _TOKS),
+            "cpu": _metric(metrics, "process_cpu_seconds_total")}
 
 
 async def _batch(target: RouterTarget, b: int, max_tokens: int) -> list:
@@ -81,6 +87,9 @@ def run_batch(stack: UpStack, b: int, max_tokens: int) -> dict:
             "host_us_per_request_step": round(1e6 * d["host"] / d["request_steps"], 1) if d["request_steps"] else None,
             "device_us_per_request_step": round(1e6 * d["device"] / d["request_steps"], 1) if d["request_steps"] else None,
             "host_share": round(d["host"] / (d["host"] + d["device"]), 3) if d["host"] + d["device"] else None,
+            # D's CPU time (all threads) per request-step: on a shared box the wall-time split above
+            # also counts the time the OS ran other processes; CPU time does not
+            "d_cpu_us_per_request_step": round(1e6 * d["cpu"] / d["request_steps"], 1) if d["request_steps"] else None,
             "request_steps": int(d["request_steps"]),
             "chunks_per_token": round(chunks / toks, 3) if toks else None,
             "itl_ms_per_token": distribution(itl, 1000)}
@@ -105,34 +114,56 @@ def tiny_model(tmp: Path) -> Path:
     return dst
 
 
-def _stack(coalesce: str, top: int, tmp: Path, model: list[str]) -> UpStack:
-    return UpStack(f"--stream-coalesce {coalesce} --max-running-requests {top}",
-                   [f"--prefill-args=--max-running-requests {top}", *model], tmp / f"coalesce-{coalesce}")
+MODES = {"off": "--stream-server threads --stream-coalesce off",
+         "threads": "--stream-server threads --stream-coalesce on",
+         "aio": "--stream-server aio --stream-coalesce on"}
 
 
-def bench(modes: list[str], batches: list[int], max_tokens: int, tmp: Path, model: list[str]) -> dict:
-    """Both stacks up at once, the modes alternating per batch size, so that the load of a
-    shared machine drifts over both alike."""
-    res = {m: {} for m in modes}
+def _stack(mode: str, top: int, tmp: Path, model: list[str], extra: str) -> UpStack:
+    return UpStack(f"{MODES[mode]} --max-running-requests {top}{extra}",
+                   [f"--prefill-args=--max-running-requests {top}", *model], tmp / f"mode-{mode}")
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """One run's figures: the median of each number over ``runs`` (the others from the first);
+    every run under ``runs``."""
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and all(r[k] is not None for r in runs):
+            out[k] = statistics.median(r[k] for r in runs)
+    p50 = [r["itl_ms_per_token"]["p50"] for r in runs if r["itl_ms_per_token"].get("p50") is not None]
+    out["itl_p50_ms"] = round(statistics.median(p50), 2) if p50 else None
+    out["runs"] = runs
+    return out
+
+
+def bench(modes: list[str], batches: list[int], max_tokens: int, tmp: Path, model: list[str], extra: str = "",
+          repeat: int = 1) -> dict:
+    """All stacks up at once, the modes alternating per batch size (and the whole sweep repeated),
+    so that the load of a shared machine drifts over every mode alike."""
+    runs = {m: {str(b): [] for b in batches} for m in modes}
     with contextlib.ExitStack() as ex:
-        stacks = {m: ex.enter_context(_stack(m, max(batches), tmp, model)) for m in modes}
-        for b in batches:
-            for m in modes:
-                res[m][str(b)] = r = run_batch(stacks[m], b, max_tokens)
-                print(json.dumps({m: {k: v for k, v in r.items() if k != "itl_ms_per_token"}}), flush=True)
-    return res
+        stacks = {m: ex.enter_context(_stack(m, max(batches), tmp, model, extra)) for m in modes}
+        for _ in range(repeat):
+            for b in batches:
+                for m in modes:
+                    r = run_batch(stacks[m], b, max_tokens)
+                    runs[m][str(b)].append(r)
+                    print(json.dumps({m: {k: v for k, v in r.items() if k != "itl_ms_per_token"}}), flush=True)
+    return {m: {b: _median_run(rs) for b, rs in per.items()} for m, per in runs.items()}
 
 
-def _table(res: dict, batches: list[int]) -> str:
-    keys = ("output_tok_s", "host_us_per_request_step", "device_us_per_request_step", "host_share",
+def _table(res: dict, batches: list[int], first: str, last: str) -> str:
+    keys = ("output_tok_s", "host_us_per_request_step", "device_us_per_request_step", "d_cpu_us_per_request_step",
+            "host_share",
             "chunks_per_token", "failed")
-    rows = [("B", "metric", "off", "on", "on/off")]
+    rows = [("B", "metric", first, last, f"{last}/{first}")]
     for b in batches:
-        off, on = res["off"][str(b)], res["on"][str(b)]
+        off, on = res[first][str(b)], res[last][str(b)]
         for k in keys:
             a, c = off[k], on[k]
             rows.append((b, k, a, c, round(c / a, 2) if isinstance(a, (int, float)) and a else "-"))
-        a, c = off["itl_ms_per_token"]["p50"], on["itl_ms_per_token"]["p50"]
+        a, c = off["itl_p50_ms"], on["itl_p50_ms"]
         rows.append((b, "itl_ms p50", round(a or 0, 1), round(c or 0, 1), round(c / a, 2) if a and c else "-"))
     return "\n".join(f"{r[0]!s:>4} {r[1]:<28} {r[2]!s:>10} {r[3]!s:>10} {r[4]!s:>8}" for r in rows)
 
@@ -141,9 +172,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="32,128,256", help="comma list of concurrent requests")
     p.add_argument("--max-tokens", type=int, default=48, help="output tokens per request (ignore_eos)")
-    p.add_argument("--modes", default="off,on", help="--stream-coalesce modes, in order")
+    p.add_argument("--modes", default="threads,aio", help=f"comma list of {', '.join(MODES)}, in order")
     p.add_argument("--model", default="tiny", choices=["tiny", "real"],
                    help=f"tiny: a 2-layer 64-wide {MODEL} with dummy weights (host cost, fast); real: {MODEL}")
+    p.add_argument("--repeat", type=int, default=1, help="sweeps of every (B, mode); the figures are medians")
+    p.add_argument("--reserve", type=int, default=0, help="D's --num-reserved-decode-tokens (0: its default); "
+                   "below --max-tokens, requests grow page by page under --decode-reserve ondemand")
     p.add_argument("--model-dir", default="", help="instead: dummy weights of this config + tokenizer dir "
                    "(e.g. the 8B shape on a GPU)")
     p.add_argument("--up-args", default="", help="more `halfmoon up` flags, one string (e.g. \"--dtype bfloat16 "
@@ -161,9 +195,15 @@ def main(argv=None) -> int:
     model += shlex.split(args.up_args)
     res = {"config": {"batches": batches, "max_tokens": args.max_tokens, "model": name, "up_args": args.up_args,
                       "torch_threads": 1, "load_average": os.getloadavg()}}
-    res.update(bench(args.modes.split(","), batches, args.max_tokens, tmp, model))
-    if "on" in res and "off" in res:
-        print(_table(res, batches))
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        p.error(f"--modes: unknown {sorted(unknown)} (choose from {', '.join(MODES)})")
+    extra = f" --num-reserved-decode-tokens {args.reserve}" if args.reserve else ""
+    res["config"]["reserve"] = args.reserve
+    res["config"]["repeat"] = args.repeat
+    res.update(bench(modes, batches, args.max_tokens, tmp, model, extra, args.repeat))
+    if len(modes) > 1:
+        print(_table(res, batches, modes[0], modes[-1]))
     write_result(res, "decode_host", args.output)
     return 0
 

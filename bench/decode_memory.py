@@ -111,6 +111,7 @@ class UpStack:
         deadline = time.monotonic() + 300
         while not self.ep_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()  # a stack still starting would outlive the bench
                 raise RuntimeError(f"halfmoon up failed; see {self.log_dir}/up.log")
             time.sleep(0.2)
         time.sleep(0.2)

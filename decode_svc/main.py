@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on: a Generate stream that fell behind the decode steps sends the tokens it "
                              "has in one DecodeChunk; off: one DecodeChunk per token (the old path, for "
                              "comparison: bench.decode_host)")
+    parser.add_argument("--stream-server", default="aio", choices=["aio", "threads"],
+                        help="aio: Generate streams are tasks on one grpc.aio event loop, a decode step's "
+                             "tokens handed to them at once; threads: one gRPC server thread per open "
+                             "stream, woken per token (the old path, for comparison: bench.decode_host)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,12 +85,24 @@ def run(args: argparse.Namespace) -> int:
     holder["s"] = sched
     w.attach_kv_events(sched)
     sched.start()
-    servicer = DecodeServicer(sched, args.worker_id, vocab_size=runner.vocab_size,
-                              max_context=runner.max_context, tokenizer=tok,
-                              queue_keepalive_s=args.queue_keepalive, grammars=grammar_compiler(runner, tok),
-                              drain=Drain("decode", args.drain_grace_s), coalesce=args.stream_coalesce == "on")
+    aio = args.stream_server == "aio"
+    kw = dict(vocab_size=runner.vocab_size, max_context=runner.max_context, tokenizer=tok,
+              queue_keepalive_s=args.queue_keepalive, grammars=grammar_compiler(runner, tok),
+              drain=Drain("decode", args.drain_grace_s), coalesce=args.stream_coalesce == "on")
+    made = []
+
+    def add_service(server) -> None:
+        if aio:
+            from decode_svc.aio_server import AioDecodeServicer
+
+            made.append(AioDecodeServicer(sched, args.worker_id, loop=server.loop, **kw))
+        else:
+            made.append(DecodeServicer(sched, args.worker_id, **kw))
+        decode_pb2_grpc.add_DecodeServicer_to_server(made[0], server)
+
     name = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
-    w.start_server(lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s), name)
+    w.start_server(add_service, name, aio=aio)
+    servicer = made[0]
     w.publish_and_serve()
     w.wait_for_signal()
     w.drain(servicer.drain, servicer.hand_back)

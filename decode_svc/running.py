@@ -105,10 +105,17 @@ class RunningBatch:
         bisect.insort(self.waiting, job, key=_by_arrival)
 
     def make_room(self) -> None:
-        """Give every running job the slot of its next token, retracting victims when short."""
+        """Give every running job the slot of its next token, retracting victims when short.
+
+        A job that needs a slot is grown to the end of that slot's page (``page_end``): the page is
+        taken whole anyway, and the next ``page_size - 1`` steps then need nothing of the pool, so
+        growth costs one allocation per page per request, not a slot write and a read of the row's
+        last slot (a device sync on CUDA) per request per step."""
         settled = False
         for job in list(self.running):
-            while job.state is JobState.RUNNING and not self.kv.grow(job.lease, job.kv_len + 1):
+            if job.state is not JobState.RUNNING or job.kv_len < job.lease.alloc_len:
+                continue  # retracted by this loop, or the common step: the slot is already there
+            while job.state is JobState.RUNNING and not self.kv.grow(job.lease, self.page_end(job.kv_len + 1)):
                 if not settled:  # the step in flight must end before a retraction; its finishes free pages
                     M.DECODE_RESERVE_MISSES.inc()
                     self.overlap.settle()
@@ -116,6 +123,11 @@ class RunningBatch:
                     continue
                 victim, reason = self.memory.victim(self.running)
                 self._retract(victim, reason)
+
+    def page_end(self, slots: int) -> int:
+        """``slots`` rounded up to a whole page, at most the row's length."""
+        ps = self.kv.page_size
+        return min(-(-slots // ps) * ps, self.kv.r2t.max_context)
 
     def step(self) -> None:
         """One decode step for every running job (overlapped when the batch allows)."""

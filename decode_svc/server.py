@@ -31,20 +31,35 @@ from engine.grammar import GrammarCompiler
 from pd_common.drain import Drain
 from pd_common.protocol import ServiceError, validate_request, validate_samples
 from pd_common.tokenizer import grammar_state
-from protos import common_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("halfmoon.decode")
 
 # states in which a request that has streamed nothing is queued in D, not computing
-_QUEUED = frozenset({JobState.PREALLOC, JobState.TRANSFER, JobState.WAITING, JobState.RETRACTED,
-                     JobState.LOCAL_PREFILL})
+QUEUED = frozenset({JobState.PREALLOC, JobState.TRANSFER, JobState.WAITING, JobState.RETRACTED,
+                    JobState.LOCAL_PREFILL})
+
+
+class Refused(Exception):
+    """A Generate request refused before anything was allocated: the stream ends with ``code``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 @dataclass(eq=False)
-class _Stream:
+class OpenStream:
     job: DecodeJob
     sent: bool = False         # a token went out
     handed_back: bool = False  # ended by the drain: the router continues it elsewhere
+
+    def passing(self, chunk: decode_pb2.DecodeChunk) -> decode_pb2.DecodeChunk:
+        """``chunk``, noted as sent (a keepalive is not a token)."""
+        if chunk.token_ids or chunk.finish_reason:
+            self.sent = True
+        return chunk
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -57,7 +72,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                  grammars: GrammarCompiler | None = None, drain: Drain | None = None,
                  coalesce: bool = True):
         self.drain = drain or Drain("decode", 0.0)
-        self._streams: set[_Stream] = set()
+        self._streams: set[OpenStream] = set()
         self._lock = threading.Lock()
         self.sched = scheduler
         self.grammars = grammars
@@ -87,6 +102,35 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def _generate(self, request, context):
         try:
+            job = self.new_job(request)
+        except Refused as e:
+            context.abort(e.code, e.message)
+        stream = OpenStream(job)
+        with self._lock:
+            self._streams.add(stream)
+        try:
+            self.sched.submit(job)
+            context.add_callback(lambda: job.finish_reason or self.sched.abort_job(job, "decode stream cancelled"))
+            try:
+                for chunk in stream_chunks(job.out, keepalive_s=self.queue_keepalive_s,
+                                           queued=lambda: job.state in QUEUED, coalesce=self.coalesce):
+                    yield stream.passing(chunk)
+            except StreamEnd as e:
+                if stream.handed_back:
+                    Drain.hand_back(context, f"decode worker {self.worker_id}")
+                context.abort(e.error.code, str(e.error))
+        finally:
+            with self._lock:
+                self._streams.discard(stream)
+
+    def new_job(self, request, out=None) -> DecodeJob:
+        """The request validated, as a DecodeJob streaming to ``out`` (default: a SimpleQueue).
+
+        Raises:
+            Refused: INVALID_ARGUMENT naming the field, or RESOURCE_EXHAUSTED when it can never
+                fit; nothing is allocated.
+        """
+        try:
             params = validate_request(request.room, request.input_ids, request.sampling,
                                       self.vocab_size, self.max_context)
             if request.local_prefill:  # no prefill leg: nothing of P may be named
@@ -103,39 +147,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 raise InvalidRequestError("n", "n > 1 needs a prefill leg (local_prefill samples one first token)")
             sample_grammars = [grammar_state(self.grammars, params) for _ in range(n - 1)]
         except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         why = self.sched.never_fits(len(request.input_ids), params.max_tokens)
         if why:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         job = DecodeJob(request_id=request.request_id, room=int(request.room),
                         prompt_ids=list(request.input_ids), params=params,
                         prefill_address=request.prefill_address,
                         prefill_worker_id=request.prefill_worker_id, grammar=grammar,
                         local_prefill=request.local_prefill, n=n, sample_grammars=sample_grammars)
+        if out is not None:
+            job.out = out
         if params.stop:
             from engine.detokenizer import IncrementalDetokenizer
 
             job.detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, params.stop,
                                                params.skip_special_tokens)
-        stream = _Stream(job)
-        with self._lock:
-            self._streams.add(stream)
-        try:
-            self.sched.submit(job)
-            context.add_callback(lambda: job.finish_reason or self.sched.abort_job(job, "decode stream cancelled"))
-            try:
-                for chunk in stream_chunks(job.out, keepalive_s=self.queue_keepalive_s,
-                                           queued=lambda: job.state in _QUEUED, coalesce=self.coalesce):
-                    if chunk.token_ids or chunk.finish_reason:
-                        stream.sent = True
-                    yield chunk
-            except StreamEnd as e:
-                if stream.handed_back:
-                    Drain.hand_back(context, f"decode worker {self.worker_id}")
-                context.abort(e.error.code, str(e.error))
-        finally:
-            with self._lock:
-                self._streams.discard(stream)
+        return job
 
     def Abort(self, request, context):
         found = self.sched.abort(int(request.room), request.request_id, request.reason or "abort RPC",

@@ -23,7 +23,8 @@ from protos import decode_pb2
 # the summary D sets on a request's first chunk and on its last one (``RunningBatch.emit``)
 _SUMMARY = ("prompt_tokens", "cached_tokens", "decode_prefix_tokens", "kv_pages_transferred",
             "kv_bytes_transferred", "completion_tokens")
-_OPEN = object()  # no end read yet
+OPEN = object()   # no end read yet
+EMPTY = object()  # nothing waiting
 
 
 def merge_into(acc: decode_pb2.DecodeChunk, nxt: decode_pb2.DecodeChunk) -> None:
@@ -38,6 +39,54 @@ def merge_into(acc: decode_pb2.DecodeChunk, nxt: decode_pb2.DecodeChunk) -> None
         v = getattr(nxt, f)
         if v:
             setattr(acc, f, v)
+
+
+def gather(merged: dict[int, decode_pb2.DecodeChunk], take: Callable[[], object], coalesce: bool) -> object:
+    """Merge every chunk already waiting (``take()``: the next item, or ``EMPTY``) into
+    ``merged``'s chunk of its sample (``DecodeChunk.index``; a new sample's chunk is added), unless
+    not ``coalesce``. Returns the end read behind them (None: finished, or a ServiceError) or
+    ``OPEN``."""
+    while coalesce:
+        nxt = take()
+        if nxt is EMPTY:
+            break
+        if not isinstance(nxt, decode_pb2.DecodeChunk):
+            return nxt
+        if nxt.index in merged:
+            merge_into(merged[nxt.index], nxt)
+        else:
+            merged[nxt.index] = nxt
+    return OPEN
+
+
+def next_chunks(item: object, take: Callable[[], object],
+                coalesce: bool) -> tuple[list[decode_pb2.DecodeChunk], object]:
+    """What a stream does with the item it read: (the chunks to send: one per sample, in
+    first-seen order, each with every chunk of that sample waiting behind it merged in
+    (``gather``), or none; the end behind them, or ``OPEN``). Raises ``StreamEnd`` for a failure
+    read first."""
+    if item is None:
+        return [], None
+    if isinstance(item, ServiceError):
+        raise StreamEnd(item)
+    merged = {item.index: item}
+    end = gather(merged, take, coalesce)
+    return list(merged.values()), end
+
+
+def over(end: object) -> bool:
+    """Whether the stream ends after its chunk: True when finished (None), raises ``StreamEnd``
+    for a failure, False while ``OPEN``."""
+    if end is not None and end is not OPEN:
+        raise StreamEnd(end)
+    return end is None
+
+
+def _get_nowait(out: queue.SimpleQueue) -> object:
+    try:
+        return out.get_nowait()
+    except queue.Empty:
+        return EMPTY
 
 
 class StreamEnd(Exception):
@@ -70,27 +119,9 @@ def stream_chunks(out: queue.SimpleQueue, *, keepalive_s: float, queued: Callabl
             if queued():  # still before the first token either way
                 yield decode_pb2.DecodeChunk()
             continue
-        if item is None:
+        chunks, end = next_chunks(item, lambda: _get_nowait(out), coalesce)
+        if chunks:
+            sent = True
+            yield from chunks
+        if over(end):
             return
-        if isinstance(item, ServiceError):
-            raise StreamEnd(item)
-        end = _OPEN
-        merged = {item.index: item}  # one chunk per sample (DecodeChunk.index), in first-seen order
-        while coalesce:
-            try:
-                nxt = out.get_nowait()
-            except queue.Empty:
-                break
-            if not isinstance(nxt, decode_pb2.DecodeChunk):
-                end = nxt
-                break
-            if nxt.index in merged:
-                merge_into(merged[nxt.index], nxt)
-            else:
-                merged[nxt.index] = nxt
-        sent = True
-        yield from merged.values()
-        if end is None:
-            return
-        if end is not _OPEN:
-            raise StreamEnd(end)

@@ -44,8 +44,15 @@ class Drain:
     def refuse_new(self, context: grpc.ServicerContext) -> None:
         """Abort the call with UNAVAILABLE when draining (call before anything is allocated)."""
         if self.draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"{self.role} worker is draining (shutting down): it takes no new request")
+            context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal())
+
+    async def refuse_new_aio(self, context: grpc.aio.ServicerContext) -> None:
+        """:meth:`refuse_new` for a ``grpc.aio`` handler."""
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal())
+
+    def _refusal(self) -> str:
+        return f"{self.role} worker is draining (shutting down): it takes no new request"
 
     @contextlib.contextmanager
     def track(self):
@@ -78,4 +85,14 @@ class Drain:
     def hand_back(context: grpc.ServicerContext, what: str) -> None:
         """End a stream with the status the router migrates (UNAVAILABLE + ``halfmoon-migrate``)."""
         context.set_trailing_metadata(((MIGRATE_KEY, MIGRATE_DRAIN),))
-        context.abort(grpc.StatusCode.UNAVAILABLE, f"{what} is draining: stream handed back to the router to migrate")
+        context.abort(grpc.StatusCode.UNAVAILABLE, _handed_back(what))
+
+    @staticmethod
+    async def hand_back_aio(context: grpc.aio.ServicerContext, what: str) -> None:
+        """:meth:`hand_back` for a ``grpc.aio`` handler."""
+        context.set_trailing_metadata(((MIGRATE_KEY, MIGRATE_DRAIN),))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, _handed_back(what))
+
+
+def _handed_back(what: str) -> str:
+    return f"{what} is draining: stream handed back to the router to migrate"

@@ -132,7 +132,11 @@ class KVEventsServicer(kv_events_pb2_grpc.KVEventsServicer):
         self.publisher = publisher
 
     def Subscribe(self, request, context):
-        yield from self.publisher.stream(request, context.is_active)
+        # add_callback, not is_active: a grpc.aio server's context for a plain handler has no is_active
+        ended = threading.Event()
+        if context.add_callback(ended.set) is False:  # grpc.server's: the call already ended
+            return
+        yield from self.publisher.stream(request, lambda: not ended.is_set())
 
 
 SERVICE_NAME = kv_events_pb2.DESCRIPTOR.services_by_name["KVEvents"].full_name

@@ -83,9 +83,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                              "a deadline waits until its deadline instead (D may queue it under memory "
                              "pressure)")
     parser.add_argument("--grpc-threads", type=int_at_least(8), default=1024,
-                        help="gRPC server threads: every open Generate stream (decode) and Prefill call "
-                             "(prefill) holds one until it ends, so this bounds concurrent requests; "
-                             "health checks and GetLoad need free ones too. Threads start on demand")
+                        help="gRPC server threads: every open Prefill call (prefill), Generate stream "
+                             "(decode with --stream-server threads; with aio, the default, streams take "
+                             "none) and KVEvents subscription holds one until it ends, so this bounds "
+                             "concurrent requests; health checks and GetLoad need free ones too. Threads "
+                             "start on demand")
     parser.add_argument("--kv-wait-timeout", type=float, default=180.0,
                         help="[decode] seconds a pre-allocated request waits for P's KV and notice")
     parser.add_argument("--kv-write-window", type=float, default=120.0,
@@ -316,12 +318,21 @@ class Worker:
         self.kv_events.incarnation = self.transfer.incarnation
         sched.kv_events = self.kv_events
 
-    def start_server(self, add_service, service_name: str) -> None:
+    def start_server(self, add_service, service_name: str, aio: bool = False) -> None:
+        """Serve ``service_name`` (+ KVEvents, health, reflection). ``aio``: a ``grpc.aio`` server on
+        its own loop thread (pd_common/aio_server.py), for a service with coroutine handlers."""
         a = self.args
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=a.grpc_threads,
-                                                             thread_name_prefix=f"{self.role}-grpc"),
-                                  interceptors=[*self.credentials.server_interceptors(),
-                                                InvalidRequestInterceptor()])
+        if aio:
+            from pd_common.aio_server import LoopHealth, LoopServer
+            from protos.request_guard import AioInvalidRequestInterceptor
+
+            self.server = LoopServer(a.grpc_threads, [*self.credentials.aio_server_interceptors(),
+                                                      AioInvalidRequestInterceptor()], self.role)
+        else:
+            self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=a.grpc_threads,
+                                                                 thread_name_prefix=f"{self.role}-grpc"),
+                                      interceptors=[*self.credentials.server_interceptors(),
+                                                    InvalidRequestInterceptor()])
         add_service(self.server)
         names = [service_name]
         if self.kv_events is not None:
@@ -329,13 +340,16 @@ class Worker:
 
             kv_events.add_to_server(self.kv_events, self.server)
             names.append(kv_events.SERVICE_NAME)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if aio:
+            self.health = LoopHealth(self.server)
+        else:
+            self.health = health.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for name in ("", service_name):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         reflection.enable_server_reflection(
             (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server)
+             reflection.SERVICE_NAME), self.server.server if aio else self.server)
         port = self.credentials.add_port(self.server, f"{a.host}:{a.port}")
         log.info("cluster identity: %s", self.credentials.mode)
         if port == 0:
@@ -404,7 +418,9 @@ class Worker:
         if self.kv_events is not None:
             self.kv_events.close()
         if self.server is not None:
-            self.server.stop(grace=1.0).wait()
+            stopped = self.server.stop(grace=1.0)
+            if stopped is not None:  # grpc.server's: an event; LoopServer.stop blocks
+                stopped.wait()
         if stop_service is not None:
             stop_service()
         if self.transfer is not None:
