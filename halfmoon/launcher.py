@@ -15,7 +15,8 @@ SIGKILL after ``--stop-timeout`` seconds. A router or registry that dies stops t
 
 Port plan with ``--base-port B`` (0 = every port picked free by its process): router gRPC B, HTTP
 B+1, metrics B+2; registry gRPC B+3, metrics B+4; worker k (prefill first, then decode) gRPC
-B+10+2k, metrics B+11+2k. Threads: each worker gets ``max(1, cores // (N + M))`` torch threads.
+B+10+2k, metrics B+11+2k. Threads: each worker rank gets ``max(1, cores // ranks)`` torch threads,
+ranks = N x ``--prefill-tp`` + M x ``--decode-tp`` (``halfmoon.worker_plan``).
 Devices: ``--prefill-device`` / ``--decode-device`` take one device or a comma list that the
 workers of that role take in turn (``--decode 2 --decode-device cuda:1,cuda:2``); on CUDA the
 workers pick flashinfer attention and CUDA graphs themselves, and their transfer engines let UCX
@@ -35,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine.engine_args import int_at_least
 from engine.model_store import DEFAULT_MODEL
 from halfmoon.stack import Stack, StackError
 from halfmoon.stack_config import StackConfig
@@ -67,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and output, so it needs more than prefill (the default serves ~30 concurrent "
                         "chats without max_tokens)")
     p.add_argument("--torch-threads", type=int, default=0, help="per worker (0 = cores / workers, at least 1)")
+    p.add_argument("--prefill-tp", type=int_at_least(1), default=1,
+                   help="tensor-parallel ranks of each prefill worker (its --tp; on CUDA rank r uses the "
+                        "worker's device index + r); the torch threads are split over all ranks")
+    p.add_argument("--decode-tp", type=int_at_least(1), default=1,
+                   help="tensor-parallel ranks of each decode worker (its --tp)")
     p.add_argument("--prefill-device", default="cpu",
                    help="device of the prefill workers: cpu | cuda:N, or a comma list taken in turn")
     p.add_argument("--decode-device", default="cpu",
@@ -132,6 +139,10 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                 raise SystemExit(f"up: {flag}: {dev.strip()!r} is not cpu, cuda or cuda:N")
     if args.max_context is not None and args.max_context <= 0:
         raise SystemExit(f"up: --max-context must be > 0, got {args.max_context}")
+    extra = {"prefill": role_args("prefill", args.prefill_args), "decode": role_args("decode", args.decode_args)}
+    for role, argv in extra.items():
+        if any(a == "--tp" or a.startswith("--tp=") for a in argv):
+            raise SystemExit(f"up: --{role}-args: pass --{role}-tp instead of --tp (the thread budget counts ranks)")
     if args.policy == "kv_events" and (args.prefill_policy or args.decode_policy):
         raise SystemExit("up: --prefill-policy / --decode-policy are for --policy per_role")
     return StackConfig(auth=auth_mode(args), tls_dir=args.tls_dir, model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
@@ -139,11 +150,11 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                        decode_policy=args.decode_policy or "cache_aware",
                        page_size=args.page_size, kv_memory_mb=args.kv_memory_mb,
                        decode_kv_memory_mb=args.decode_kv_memory_mb, torch_threads=args.torch_threads,
+                       prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                        log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
                        prefill_device=args.prefill_device, decode_device=args.decode_device, dtype=args.dtype,
                        load_format=args.load_format, registry=args.registry, max_context=args.max_context,
-                       role_args={"prefill": role_args("prefill", args.prefill_args),
-                                  "decode": role_args("decode", args.decode_args)},
+                       role_args=extra,
                        router_args=role_args("router", args.router_args))
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import grpc
 
 from halfmoon.child_process import Proc
-from halfmoon.stack_config import StackConfig, threads_per_worker
+from halfmoon.stack_config import StackConfig
+from halfmoon.worker_plan import context_args, plan_workers, worker_argv
 from halfmoon.stack_credentials import AuthMode, StackCredentials, prepare
 
 _REGISTRY_RE = re.compile(r"registry listening grpc=(\S+) metrics=(\S+)")
@@ -73,7 +74,8 @@ class Stack:
         c = self.cfg
         deadline = time.monotonic() + c.ready_timeout
         n = c.prefill + c.decode
-        threads = c.torch_threads or threads_per_worker(n)
+        plan = plan_workers(c)
+        threads = plan[0].threads
         names = ["registry", "router"] + [f"prefill-{i}" for i in range(c.prefill)] + \
             [f"decode-{i}" for i in range(c.decode)]
         try:
@@ -95,17 +97,10 @@ class Stack:
         self._wait([reg], deadline)
         registry = reg.match.group(1)
         workers = []
-        for k in range(n):
-            role = "prefill" if k < c.prefill else "decode"
-            idx = k if k < c.prefill else k - c.prefill
-            wid = f"{role}-{idx}"
-            argv = [f"serve-{role}", "--model", c.model, "--host", c.host, "--port", str(self._port(10 + 2 * k)),
-                    "--metrics-port", str(self._port(11 + 2 * k)), "--registry", registry,
-                    "--advertise-host", c.host, "--worker-id", wid, "--page-size", str(c.page_size),
-                    "--torch-threads", str(threads),
-                    "--kv-memory-mb", str(c.decode_kv_memory_mb if role == "decode" else c.kv_memory_mb),
-                    "--device", c.device_of(role, idx), "--dtype", c.dtype, "--load-format", c.load_format,
-                    *creds.process_args(wid), *self._context_args(), *c.worker_args, *c.role_args.get(role, [])]
+        for w in plan:
+            wid, role = w.worker_id, w.role
+            argv = worker_argv(c, w, (self._port(10 + 2 * w.k), self._port(11 + 2 * w.k)), registry,
+                               creds.process_args(wid))
             p = Proc(wid, argv, self.log_dir / f"{wid}.log", _WORKER_RE,
                      extra_env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
             self.procs.append(p)
@@ -114,7 +109,7 @@ class Stack:
         router = Proc("router", ["serve-router", "--model", c.model, "--host", c.host, "--port", str(self._port(0)),
                                  "--http-port", str(self._port(1)), "--metrics-port", str(self._port(2)),
                                  "--registry", registry, *self._policy_args(), "--page-size", str(c.page_size),
-                                 *creds.process_args("router"), *creds.router_args(), *self._context_args(),
+                                 *creds.process_args("router"), *creds.router_args(), *context_args(c),
                                  *c.router_args],
                       self.log_dir / "router.log", _ROUTER_RE, extra_env={"OMP_NUM_THREADS": "1"})
         self.procs.append(router)
@@ -133,9 +128,6 @@ class Stack:
                                          "pid": p.popen.pid})
         self._wait_router_sees_workers(rg, n, deadline)
         return self.endpoints
-
-    def _context_args(self) -> list[str]:
-        return [] if self.cfg.max_context is None else ["--max-context", str(self.cfg.max_context)]
 
     def _policy_args(self) -> list[str]:
         c = self.cfg

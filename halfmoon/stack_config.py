@@ -39,7 +39,9 @@ class StackConfig:
     # decode holds every running request's prompt and output: room for ~30 concurrent chats without
     # max_tokens at the decode projection (prompt + reserve + ratio x clip tokens each)
     decode_kv_memory_mb: float = 1024.0
-    torch_threads: int = 0          # 0 = threads_per_worker(prefill + decode)
+    torch_threads: int = 0          # 0 = threads_per_worker(every rank of every worker)
+    prefill_tp: int = 1             # tensor-parallel ranks of each prefill worker (its --tp)
+    decode_tp: int = 1
     log_dir: str = ""
     ready_timeout: float = 300.0
     stop_timeout: float = 10.0

@@ -28,7 +28,13 @@ def pack_batch(batch: ForwardBatch, logit_index: torch.Tensor | None, req_to_tok
     dev = req_to_token.device
     seq_cpu, _ = batch.host_lens()
     rows = batch.req_pool_indices.to(dev)
-    slots = [req_to_token[r, :s] for r, s in zip(rows.tolist(), seq_cpu.tolist())]
+    # one gather from host-known lengths: the rows stay on the device, so on CUDA packing does not
+    # wait for the previous step (the overlap schedule launches a step before reading the last one)
+    total = int(seq_cpu.sum())
+    starts = torch.cumsum(seq_cpu, 0) - seq_cpu
+    cols = torch.arange(total) - torch.repeat_interleave(starts, seq_cpu, output_size=total)
+    at_rows = torch.repeat_interleave(rows, seq_cpu.to(dev, non_blocking=True), output_size=total)
+    slots = [req_to_token[at_rows, cols.to(dev, non_blocking=True)]]
     L = -1 if logit_index is None else logit_index.numel()
     head = torch.tensor([_MODES.index(batch.mode), batch.batch_size, batch.input_ids.numel(), L],
                         dtype=torch.int64, device=dev)

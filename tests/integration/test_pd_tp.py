@@ -3,7 +3,8 @@ their rank processes under gloo, one torch thread each), real UCX between every 
 pair, the default model (SmolLM2-135M: 3 kv heads, so TP=2 splits them 2 + 1). One stack per
 (P TP, D TP) pair: 2 -> 1, 1 -> 2, 2 -> 2.
 
-* greedy tokens equal the co-located engine on one rank;
+* greedy tokens equal the co-located engine on one rank, one at a time and as one batch (with D's
+  overlap schedule on for 2 -> 2);
 * a second prompt sharing a prefix moves exactly its delta pages (the decode radix cache on), and
   every (P rank, D rank) write of a batch moves all of its pages, of the heads that D rank holds
   (each D head exactly once); idle accounting on P and D afterwards (the ranks 1..N-1 own no pages:
@@ -66,9 +67,13 @@ def stack(request, tmp_path_factory):
     if not model_available():
         pytest.skip("default model not pulled")
     p_tp, d_tp = request.param
+    # TP=2 -> TP=2 runs D's overlap schedule (its followers run batches whose input ids rank 0
+    # fed from the device); TP=1 -> TP=2 keeps it off, the CPU default
+    overlap = ["--overlap-schedule", "on"] if (p_tp, d_tp) == (2, 2) else []
     with start_stack(tmp_path_factory.mktemp(f"tp{p_tp}{d_tp}"), prefill_extra=["--tp", str(p_tp)],
-                     decode_extra=["--tp", str(d_tp)]) as st:
+                     decode_extra=["--tp", str(d_tp), *overlap]) as st:
         st.tp = request.param
+        st.overlap = bool(overlap)
         st.driver = PDDriver(st.prefill_addr, st.decode_addr, timeout_s=120)
         yield st
         st.driver.close()
@@ -82,6 +87,15 @@ def test_greedy_tokens_equal_the_colocated_engine(stack, prompts, reference):
     got = [stack.driver.generate(p, MAX_TOKENS) for p in prompts[:3]]
     assert all(r.ok for r in got), [(r.decode_error, r.prefill_error) for r in got]
     assert [r.tokens for r in got] == reference[:3]
+
+
+def test_concurrent_greedy_batches_equal_the_colocated_engine(stack, prompts, reference):
+    # one decode batch of three: under the overlap schedule (p2-d2) each step's input ids are the
+    # previous step's argmax on rank 0's device, and the follower must run that same batch
+    got = stack.driver.generate_many(prompts[:3], MAX_TOKENS, concurrency=3)
+    assert all(r.ok for r in got), [(r.decode_error, r.prefill_error) for r in got]
+    assert [r.tokens for r in got] == reference[:3]
+    assert f"overlap schedule: {'on' if stack.overlap else 'off'}" in stack.decode.log()
 
 
 def test_a_shared_prefix_moves_only_the_delta_through_every_rank_pair(stack, prompts, reference):

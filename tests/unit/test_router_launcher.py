@@ -95,12 +95,18 @@ def test_max_context_reaches_the_router_and_every_worker(tmp_path):
     p = argparse.ArgumentParser()
     add_arguments(p)
     cfg = config_from_args(p.parse_args(["--max-context", "1024"]))
-    argv = Stack(StackConfig(max_context=cfg.max_context, log_dir=str(tmp_path)))._context_args()
+    from halfmoon.worker_plan import context_args, plan_workers, worker_argv
+
+    sc = StackConfig(max_context=cfg.max_context, log_dir=str(tmp_path))
+    argv = context_args(sc)
     assert argv == ["--max-context", "1024"]
+    for w in plan_workers(sc, cores=2):  # every worker's command line carries it
+        wargv = worker_argv(sc, w, (1, 2), "127.0.0.1:3", [])
+        assert wargv[wargv.index("--max-context") + 1] == "1024", w
     for add in (decode_arguments, router_arguments):
         rp = argparse.ArgumentParser()
         add(rp)
         assert rp.parse_args(argv).max_context == 1024
-    assert Stack(StackConfig(log_dir=str(tmp_path)))._context_args() == []  # unset: each takes the model's
+    assert context_args(StackConfig(log_dir=str(tmp_path))) == []  # unset: each takes the model's
     with pytest.raises(SystemExit, match="--max-context must be > 0, got 0"):
         config_from_args(p.parse_args(["--max-context", "0"]))
