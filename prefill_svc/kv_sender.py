@@ -242,6 +242,7 @@ class DeltaSender:
             bid = self.transfer.submit(dest.segment, descs, not_after=dest.not_after)
             nbytes = sum(d[2] for d in descs)
             job.batches[bid] = PendingBatch(time.monotonic(), len(src), nbytes)
+            M.TRANSFER_RANK_PAGES.labels(src_rank="0", dst_rank="0").inc(len(src))  # one rank each side
             record.update(runs=[[r.src, r.dst, r.length] for r in runs], descriptors=len(descs))
         job.next_page = end
         if self.log.enabled:

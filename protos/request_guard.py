@@ -215,7 +215,9 @@ async def _checked_aio(request, context, request_streaming: bool):
 
 def _guard_aio(behavior, request_streaming: bool):
     """grpc.aio picks how to run a behavior by its kind, so the guard keeps it: a coroutine
-    function stays one, an async generator function stays one; sync behaviors are left alone."""
+    function stays one, an async generator function stays one, and a plain function (run in the
+    server's thread pool with a synchronous context: D's Abort, GetLoad, KVEvents) gets the
+    synchronous guard."""
     if inspect.isasyncgenfunction(behavior):
         async def guarded_stream(request, context):
             responses = behavior(await _checked_aio(request, context, request_streaming), context)
@@ -229,7 +231,7 @@ def _guard_aio(behavior, request_streaming: bool):
         async def guarded(request, context):
             return await behavior(await _checked_aio(request, context, request_streaming), context)
         return guarded
-    return None
+    return _guard_sync(behavior, request_streaming)
 
 
 class InvalidRequestInterceptor(grpc.ServerInterceptor):

@@ -24,8 +24,8 @@ TRANSFER_BATCH_SECONDS = Histogram(
     buckets=TRANSFER_BUCKETS, registry=_R)
 TRANSFER_RANK_PAGES = Counter(
     "halfmoon_transfer_rank_pages_total",
-    "KV pages submitted per (prefill rank, decode rank) pair under tensor parallelism (each moves "
-    "its kv-head slice of the page).", ["src_rank", "dst_rank"], registry=_R)
+    "KV pages submitted per (prefill rank, decode rank) pair (each moves its kv-head slice of the "
+    "page; without tensor parallelism every page is rank 0 -> rank 0).", ["src_rank", "dst_rank"], registry=_R)
 TRANSFER_FAILURES = Counter(
     "halfmoon_transfer_failures_total", "Failed transfer batches by reason (sender side).",
     ["reason"], registry=_R)
