@@ -155,7 +155,10 @@ class CudaGraphRunner:
                 self.model(batch, planned)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.mempool):
+        # TP: "thread_local" so that ProcessGroupNCCL's watchdog thread may still query the events of
+        # collectives enqueued before the capture (global mode would fail the capture on that)
+        mode = "thread_local" if getattr(self.runner, "tp", None) is not None else "global"
+        with torch.cuda.graph(g, pool=self.mempool, capture_error_mode=mode):
             self._fill_page_ids(b)
             self.logits[b] = self.model(batch, planned)
         self.graphs[b] = g
