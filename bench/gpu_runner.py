@@ -10,8 +10,9 @@ import torch
 PAGE_SIZE = 16
 
 
-def build_runner(args, max_bs: int, max_context: int, num_pages: int, cuda_graph: bool = True):
-    """(ModelRunner of ``args.model`` with dummy weights, seconds it took to build)."""
+def build_runner(args, max_bs: int, max_context: int, num_pages: int, cuda_graph: bool = True, tp: int = 1):
+    """(ModelRunner of ``args.model`` with dummy weights, seconds it took to build). ``tp`` > 1:
+    tensor parallel over cuda:0..tp-1 (``num_pages`` per rank; ``close()`` it when done)."""
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
 
@@ -19,7 +20,7 @@ def build_runner(args, max_bs: int, max_context: int, num_pages: int, cuda_graph
     r = ModelRunner(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", device="cuda",
                                  page_size=PAGE_SIZE, num_pages=num_pages, max_running_requests=max_bs,
                                  max_context=max_context, cuda_graph=cuda_graph, cuda_graph_max_bs=max_bs,
-                                 chunked_prefill_size=1 << 20))
+                                 chunked_prefill_size=1 << 20, tp_size=tp))
     torch.cuda.synchronize()
     return r, time.perf_counter() - t
 

@@ -18,6 +18,14 @@ length 1 and read one page of request row 0 (read only, their outputs are droppe
 K/V in a scratch page that no request owns (``ModelRunner`` allocates the KV pool one page larger
 than the allocator's).
 
+Tensor parallelism (``runner.tp`` set, NCCL): every rank builds this runner at start-up and
+captures the same buckets in the same order, so each graph holds the same all-reduces (and the
+lm_head's gather) on every rank; ProcessGroupNCCL captures them once its communicator exists
+(warmed by an eager collective first, as sglang / vLLM do before their ``graph_capture``). Per step
+rank 0 picks the bucket and sends it with the batch (``engine.distributed.batch_wire``); followers
+replay that bucket (``replay(batch, bucket)``), padding with their own scratch page (the same page
+index on every rank: the pools have the same pages).
+
 After sglang's ``cuda_graph_runner.py`` (buckets, padding, plan-before-replay) and flashinfer's
 ``use_cuda_graph`` decode wrappers.
 """
@@ -88,6 +96,11 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.mempool = torch.cuda.graph_pool_handle()
+        if getattr(runner, "tp", None) is not None:
+            # an eager collective first: the NCCL communicator exists before any capture, and every
+            # rank starts capturing together; then no collective work is in flight during capture
+            runner.tp.min_int(0)
+            torch.cuda.synchronize(dev)
         with torch.inference_mode():
             for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
                 self._capture(b)
@@ -142,20 +155,27 @@ class CudaGraphRunner:
                 self.model(batch, planned)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.mempool):
+        # TP: "thread_local" so that ProcessGroupNCCL's watchdog thread may still query the events of
+        # collectives enqueued before the capture (global mode would fail the capture on that)
+        mode = "thread_local" if getattr(self.runner, "tp", None) is not None else "global"
+        with torch.cuda.graph(g, pool=self.mempool, capture_error_mode=mode):
             self._fill_page_ids(b)
             self.logits[b] = self.model(batch, planned)
         self.graphs[b] = g
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run a decode batch through its bucket's graph; returns float32 logits [B, vocab].
+    def replay(self, batch: ForwardBatch, bucket: int | None = None) -> torch.Tensor:
+        """Run a decode batch through its bucket's graph (``bucket``: the one rank 0 chose under
+        tensor parallelism; default the smallest that holds the batch); returns float32 logits
+        [B, vocab] ([B, 0] on a follower rank).
 
         The result is a view of the graph's static output: consume it before the next replay.
+        Raises ValueError when the batch exceeds the bucket or ``bucket`` was not captured.
         """
         B = batch.batch_size
-        b = self.bucket_for(B)
-        if b is None:
-            raise ValueError(f"decode batch of {B} exceeds the largest captured bucket {self.max_batch}")
+        b = self.bucket_for(B) if bucket is None else bucket
+        if b is None or b not in self.graphs or B > b:
+            raise ValueError(f"decode batch of {B} does not fit captured bucket "
+                             f"{b if b is not None else self.max_batch} (buckets {self.buckets})")
         self.input_ids[:B].copy_(batch.input_ids, non_blocking=True)
         self.positions[:B].copy_(batch.positions, non_blocking=True)
         self.out_cache_loc[:B].copy_(batch.out_cache_loc, non_blocking=True)

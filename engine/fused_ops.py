@@ -13,6 +13,10 @@
 * each residual add and the RMSNorm after it -> ``flashinfer.norm.fused_add_rmsnorm`` (one kernel,
   in place), the layers passing ``(hidden, residual)`` to each other as in sglang's Llama.
 
+Under tensor parallelism (``engine.distributed``) the same rewiring runs on a rank's shard: the fused
+q/k/v and gate/up weights concatenate its column slices (``attn.h`` / ``attn.kvh`` are its heads)
+and o_proj / down_proj stay the row-parallel modules with their all-reduce (not run on a GPU yet).
+
 Numerics: the fused kernels compute in float32 and round once, the torch path (HF's) rounds to the
 model dtype between steps; both stay within bf16 tolerance of each other (tests/unit/test_gpu_*.py).
 Design after sglang's ``LlamaForCausalLM`` (merged qkv / gate_up projections, flashinfer kernels).

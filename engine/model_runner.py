@@ -16,6 +16,7 @@ the same way::
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from engine.kvcache.req_to_token_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
     from engine.distributed.group import FollowerSpec, TPGroup
+
+log = logging.getLogger("halfmoon.engine.tp")
 
 
 class ModelRunner:
@@ -75,8 +78,8 @@ class ModelRunner:
         if self.tp is not None:  # every rank's pool has the same pages (the budget is per rank)
             num_pages = self.tp.min_int(num_pages)
         backend_name = resolve_backend_name(config.attention_backend, self.device, self.dtype)
-        # TP: no CUDA graphs yet (the batch broadcast precedes each replay on every rank: not wired)
-        use_graphs = config.cuda_graph and backend_name == "flashinfer" and self.tp is None
+        # under TP every rank captures the same buckets; rank 0's choice per step travels in the batch
+        use_graphs = config.cuda_graph and backend_name == "flashinfer"
         # CUDA graphs pad decode batches with entries that write into a scratch page no request owns:
         # the pool has one page more than the allocator hands out.
         self.scratch_page = num_pages if use_graphs else None
@@ -87,8 +90,8 @@ class ModelRunner:
         self.backend = create_backend(backend_name, kv_pool=self.kv_pool,
                                       req_to_token_pool=self.req_to_token_pool, num_heads=self.num_heads,
                                       num_kv_heads=self.num_kv_heads, head_dim=mc.head_dim)
-        # TP: fused ops would bypass the row-parallel all-reduces
-        if config.fused_ops and self.model._fused is None and self.tp is None:
+        # under TP the fused q/k/v and gate/up run on the rank's column slices; o/down keep their all-reduce
+        if config.fused_ops and self.model._fused is None:
             from engine.fused_ops import enable_fused_ops, fused_ops_supported
 
             if fused_ops_supported(self.model):
@@ -102,6 +105,8 @@ class ModelRunner:
             from engine.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, config.cuda_graph_max_bs)
+            if self.tp is not None:
+                log.info("tensor parallel rank %d: cuda_graphs=on buckets=%s", self.tp.rank, self.graph_runner.buckets)
 
     @property
     def vocab_size(self) -> int:
@@ -115,6 +120,10 @@ class ModelRunner:
         rows in ``logit_index``, int64 [N]).
         """
         if logit_index is None and self.graph_runner is not None and self.graph_runner.can_run(batch):
+            if self.tp is not None:  # every rank replays the bucket rank 0 picks (it travels in the batch)
+                b = self.graph_runner.bucket_for(batch.batch_size)
+                return self.tp.run(lambda: self.graph_runner.replay(batch, b), batch, None,
+                                   self.req_to_token_pool.req_to_token, graph_bucket=b)
             return self.graph_runner.replay(batch)
         if self.tp is not None:  # rank 0: the followers run the same batch (raises TPRankDied)
             return self.tp.run(lambda: self.model(batch, self.backend, logit_index), batch, logit_index,

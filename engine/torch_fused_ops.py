@@ -8,7 +8,9 @@ place, the torch counterpart of :mod:`engine.fused_ops`:
   views of (same names, no extra memory);
 * on a float32 CPU model with ``cpu_linear=packed``, every GEMM (the fused ones, ``o_proj``,
   ``down_proj``, ``lm_head``) runs on weights packed once (:mod:`engine.models.cpu_linear`);
-* cos/sin of RoPE are computed once per forward and shared by all layers.
+* cos/sin of RoPE are computed once per forward and shared by all layers;
+* on a tensor-parallel shard (``engine.distributed``) the fused q/k/v and gate/up GEMMs run on the
+  rank's column slices (its heads, its intermediate columns) and o/down keep their all-reduce.
 
 Norms, RoPE, SiLU·mul and the residual adds are the torch path's own ops in the same order
 (HF's LlamaDecoderLayer), so only the GEMM summation order can differ from the unfused forward.
@@ -19,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.models.cpu_linear import CpuLinear, fused_linear, pack_linear
+from engine.distributed.parallel_linear import PackedRowParallelLinear, RowParallelLinear
+from engine.models.cpu_linear import CpuLinear, fused_linear, pack_linear, packed_linear_supported
 from engine.models.rotary import apply_rotary
 
 
@@ -65,6 +68,15 @@ class TorchFusedOps:
         return h, x
 
 
+def _pack_out(lin, impl: CpuLinear):
+    """o_proj / down_proj as ``impl`` runs them; under tensor parallelism they are row-parallel and
+    keep their all-reduce (only the local GEMM is packed)."""
+    if isinstance(lin, RowParallelLinear):
+        packed = impl is CpuLinear.PACKED and packed_linear_supported(lin.weight)
+        return PackedRowParallelLinear(lin) if packed else lin
+    return pack_linear(lin, impl)
+
+
 def enable_torch_fused_ops(model, cpu_linear: str | CpuLinear = CpuLinear.PACKED) -> TorchFusedOps:
     """Rewire ``model`` (in place) to fused q/k/v and gate/up GEMMs, packed on a float32 CPU model
     when ``cpu_linear`` is ``packed``; returns the :class:`TorchFusedOps` it uses.
@@ -80,8 +92,8 @@ def enable_torch_fused_ops(model, cpu_linear: str | CpuLinear = CpuLinear.PACKED
         a, m = layer.self_attn, layer.mlp
         qkv.append(pack_linear(fused_linear([a.q_proj, a.k_proj, a.v_proj]), impl))
         gate_up.append(pack_linear(fused_linear([m.gate_proj, m.up_proj]), impl))
-        a.o_proj = pack_linear(a.o_proj, impl)
-        m.down_proj = pack_linear(m.down_proj, impl)
+        a.o_proj = _pack_out(a.o_proj, impl)
+        m.down_proj = _pack_out(m.down_proj, impl)
         m.layer = i  # TorchFusedOps.mlp finds the layer's gate_up by it
     ops = TorchFusedOps(qkv, gate_up, impl)
     for layer in model.model.layers:

@@ -22,15 +22,11 @@ import signal
 import socket
 import sys
 import threading
-from concurrent import futures
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from engine.device import check_device, device_spec
 from engine.engine_args import int_at_least, non_negative_float
-from protos.request_guard import InvalidRequestInterceptor
 from security import ClusterCredentials, CredentialsError
 from security.flags import add_cluster_auth_args
 from telemetry import metrics as M
@@ -278,31 +274,15 @@ class Worker:
                  runner.allocator.num_pages, ucx_transports(a.transport, loc) or "(UCX's choice)")
         return self.transfer
 
-    def _collect_ranks(self, runner, timeout_s: float = 120.0) -> None:
-        """Every follower's descriptor (its first reply) and every rank's region; the rank-death
-        hook that stops this worker."""
-        import queue
+    def _collect_ranks(self, runner) -> None:
+        """Every rank's region and descriptor (``rank_collection``); the rank-death hook that stops
+        this worker."""
+        from pd_common.rank_collection import collect_ranks
 
-        from engine.distributed.shard import plan_shard
-        from pd_common.tp_rank import local_region
-        from protos import registry_pb2
-        from transfer_svc.rank_regions import RankRegion
-
-        self.rank_regions = [local_region(runner)]
-        if runner.tp is None:
-            return
-        runner.tp.on_rank_death = self._rank_died
-        for r in range(1, runner.tp.size):
-            try:
-                data = runner.tp.replies(r).get(timeout=timeout_s)
-            except queue.Empty:
-                raise SystemExit(f"error: tensor-parallel rank {r} sent no segment descriptor "
-                                 f"within {timeout_s:g} s") from None
-            desc = registry_pb2.SegmentDescriptor.FromString(data)
-            self.rank_descriptors.append(desc)
-            region = desc.regions[0]
-            lo, hi = plan_shard(runner.model_config, r, runner.tp.size).kv_heads
-            self.rank_regions.append(RankRegion(r, lo, hi, int(region.base), int(region.length)))
+        if runner.tp is not None:
+            runner.tp.on_rank_death = self._rank_died
+        ranks = collect_ranks(runner)
+        self.rank_regions, self.rank_descriptors = ranks.regions, ranks.descriptors
 
     def _rank_died(self, reason: str) -> None:
         log.error("%s: stopping this worker", reason)
@@ -320,41 +300,15 @@ class Worker:
 
     def start_server(self, add_service, service_name: str, aio: bool = False) -> None:
         """Serve ``service_name`` (+ KVEvents, health, reflection). ``aio``: a ``grpc.aio`` server on
-        its own loop thread (pd_common/aio_server.py), for a service with coroutine handlers."""
+        its own loop thread (pd_common/aio_server.py), for a service with coroutine handlers
+        (``pd_common/grpc_server.py``). Raises OSError when the address cannot be bound."""
+        from pd_common.grpc_server import start_grpc_server
+
         a = self.args
-        if aio:
-            from pd_common.aio_server import LoopHealth, LoopServer
-            from protos.request_guard import AioInvalidRequestInterceptor
-
-            self.server = LoopServer(a.grpc_threads, [*self.credentials.aio_server_interceptors(),
-                                                      AioInvalidRequestInterceptor()], self.role)
-        else:
-            self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=a.grpc_threads,
-                                                                 thread_name_prefix=f"{self.role}-grpc"),
-                                      interceptors=[*self.credentials.server_interceptors(),
-                                                    InvalidRequestInterceptor()])
-        add_service(self.server)
-        names = [service_name]
-        if self.kv_events is not None:
-            from pd_common import kv_events
-
-            kv_events.add_to_server(self.kv_events, self.server)
-            names.append(kv_events.SERVICE_NAME)
-        if aio:
-            self.health = LoopHealth(self.server)
-        else:
-            self.health = health.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        for name in ("", service_name):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection(
-            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server.server if aio else self.server)
-        port = self.credentials.add_port(self.server, f"{a.host}:{a.port}")
+        served = start_grpc_server(add_service, service_name, host=a.host, port=a.port, threads=a.grpc_threads,
+                                   role=self.role, credentials=self.credentials, kv_events=self.kv_events, aio=aio)
+        self.server, self.health, port = served.server, served.health, served.port
         log.info("cluster identity: %s", self.credentials.mode)
-        if port == 0:
-            raise OSError(f"cannot bind {a.host}:{a.port}")
-        self.server.start()
         self.service_name = service_name
         self.grpc_address = f"{a.advertise_host or a.host}:{port}"
         if a.metrics_port >= 0:

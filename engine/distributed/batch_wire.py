@@ -5,9 +5,14 @@ Rank 0's scheduler writes ``req_to_token`` outside the forward, so the message a
 request's row ``[0, seq_len)``: a follower writes those rows into its own table before the forward
 and its attention reads the same slots (its KV pool has the same pages, with its kv heads).
 
+With CUDA graphs on, rank 0 decides per decode step whether to replay a captured graph and of
+which bucket; the decision travels in the header (``G``: the bucket, 0 for eager), so every rank
+replays the same graph (each pads to bucket ``G`` with its own scratch page, the same page index on
+every rank) or every rank runs eagerly: the ranks' collectives always match.
+
 Layout (int64)::
 
-    [mode, B, T, L] rows[B] seq_lens[B] prefix_lens[B] extend_lens[B]
+    [mode, B, T, L, G] rows[B] seq_lens[B] prefix_lens[B] extend_lens[B]
     input_ids[T] positions[T] out_cache_loc[T] logit_index[L] row_slots[sum(seq_lens)]
 
 ``L = -1`` means no ``logit_index`` (each request's last token).
@@ -15,16 +20,38 @@ Layout (int64)::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
 
-HEADER = 4
+HEADER = 5
 _MODES = (ForwardMode.EXTEND, ForwardMode.DECODE)
 
 
-def pack_batch(batch: ForwardBatch, logit_index: torch.Tensor | None, req_to_token: torch.Tensor) -> torch.Tensor:
-    """The message for ``batch`` (int64 [N] on ``req_to_token``'s device)."""
+@dataclass(frozen=True)
+class WireBatch:
+    """One forward as a follower receives it.
+
+    ``graph_bucket``: the CUDA-graph bucket rank 0 replays for this decode batch (pad to it and
+    replay the same graph), or 0: run ``runner.model`` eagerly (with ``logit_index``, int64 [L] or
+    None for each request's last token)."""
+
+    batch: ForwardBatch
+    logit_index: torch.Tensor | None
+    graph_bucket: int = 0
+
+
+def pack_batch(batch: ForwardBatch, logit_index: torch.Tensor | None, req_to_token: torch.Tensor,
+               graph_bucket: int = 0) -> torch.Tensor:
+    """The message for ``batch`` (int64 [N] on ``req_to_token``'s device). ``graph_bucket`` > 0 says
+    every rank replays that bucket's CUDA graph (a decode batch of at most that many requests, no
+    ``logit_index``). Raises ValueError for a graph decision that cannot hold."""
+    if graph_bucket and (batch.mode is not ForwardMode.DECODE or logit_index is not None
+                         or batch.batch_size > graph_bucket):
+        raise ValueError(f"graph bucket {graph_bucket} for a {batch.mode.name} batch of {batch.batch_size}"
+                         f"{' with a logit_index' if logit_index is not None else ''}")
     dev = req_to_token.device
     seq_cpu, _ = batch.host_lens()
     rows = batch.req_pool_indices.to(dev)
@@ -36,7 +63,7 @@ def pack_batch(batch: ForwardBatch, logit_index: torch.Tensor | None, req_to_tok
     at_rows = torch.repeat_interleave(rows, seq_cpu.to(dev, non_blocking=True), output_size=total)
     slots = [req_to_token[at_rows, cols.to(dev, non_blocking=True)]]
     L = -1 if logit_index is None else logit_index.numel()
-    head = torch.tensor([_MODES.index(batch.mode), batch.batch_size, batch.input_ids.numel(), L],
+    head = torch.tensor([_MODES.index(batch.mode), batch.batch_size, batch.input_ids.numel(), L, graph_bucket],
                         dtype=torch.int64, device=dev)
     parts = [head, rows, batch.seq_lens, batch.prefix_lens, batch.extend_lens, batch.input_ids,
              batch.positions, batch.out_cache_loc]
@@ -45,12 +72,12 @@ def pack_batch(batch: ForwardBatch, logit_index: torch.Tensor | None, req_to_tok
     return torch.cat([p.to(dev, torch.int64).reshape(-1) for p in parts + slots])
 
 
-def unpack_batch(msg: torch.Tensor, req_to_token: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor | None]:
-    """(batch, logit_index) of a message; writes the carried rows into ``req_to_token``.
+def unpack_batch(msg: torch.Tensor, req_to_token: torch.Tensor) -> WireBatch:
+    """The forward of a message; writes the carried rows into ``req_to_token``.
 
     Raises ValueError for a message whose lengths do not add up (a bug on rank 0, never input).
     """
-    mode, B, T, L = msg[:HEADER].tolist()
+    mode, B, T, L, G = msg[:HEADER].tolist()
     off = HEADER
 
     def take(n: int) -> torch.Tensor:
@@ -70,4 +97,4 @@ def unpack_batch(msg: torch.Tensor, req_to_token: torch.Tensor) -> tuple[Forward
     batch = ForwardBatch(mode=_MODES[mode], input_ids=ids, positions=pos, req_pool_indices=rows, seq_lens=seq,
                          prefix_lens=pre, extend_lens=ext, out_cache_loc=loc, seq_lens_cpu=seq_cpu,
                          extend_lens_cpu=ext.cpu())
-    return batch, logit_index
+    return WireBatch(batch, logit_index, G)

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from engine.distributed.batch_wire import WireBatch
+
 log = logging.getLogger("halfmoon.engine.tp")
 
 
@@ -30,6 +32,23 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="the EngineConfig as JSON (EngineConfig.to_json)")
     p.add_argument("--agent-config", default="", help="the follower program's own settings (FollowerSpec)")
     return p.parse_args(argv)
+
+
+def follow_step(runner, step: WireBatch) -> torch.Tensor:
+    """Run one forward rank 0 announced, down the branch rank 0 took: replay the CUDA graph of
+    ``step.graph_bucket`` (padded to it like rank 0's), or the eager model. Returns this rank's
+    logits (empty ``[B, 0]``: only rank 0 gathers the vocabulary).
+
+    Raises RuntimeError when rank 0 replays a graph this rank did not capture (the ranks' start-up
+    differed: their collectives would no longer match).
+    """
+    if step.graph_bucket:
+        graphs = runner.graph_runner
+        if graphs is None or step.graph_bucket not in graphs.buckets:
+            raise RuntimeError(f"rank 0 replays CUDA graph bucket {step.graph_bucket}; this rank captured "
+                               f"{'none' if graphs is None else graphs.buckets}")
+        return graphs.replay(step.batch, step.graph_bucket)
+    return runner.model(step.batch, runner.backend, step.logit_index)
 
 
 def run_follower(args: argparse.Namespace, setup: Callable | None = None) -> int:
@@ -61,8 +80,7 @@ def run_follower(args: argparse.Namespace, setup: Callable | None = None) -> int
                 got = group.receive(runner.req_to_token_pool.req_to_token)
                 if got is None:
                     break
-                batch, logit_index = got
-                runner.model(batch, runner.backend, logit_index)
+                follow_step(runner, got)
     except RuntimeError as e:  # a peer died or a collective timed out
         log.error("tensor-parallel rank %d: collective failed, exiting: %s", args.rank, str(e).splitlines()[0])
         code = 1

@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from engine.distributed.batch_wire import pack_batch, unpack_batch
+from engine.distributed.batch_wire import WireBatch, pack_batch, unpack_batch
 from engine.forward_batch import ForwardBatch
 
 log = logging.getLogger("halfmoon.engine.tp")
@@ -199,14 +199,15 @@ class TPGroup:
         return int(t.item())
 
     def run(self, forward: Callable[[], torch.Tensor], batch: ForwardBatch, logit_index: torch.Tensor | None,
-            req_to_token: torch.Tensor) -> torch.Tensor:
-        """Rank 0: send ``batch`` to the followers, then run ``forward`` (every rank runs it).
+            req_to_token: torch.Tensor, graph_bucket: int = 0) -> torch.Tensor:
+        """Rank 0: send ``batch`` to the followers, then run ``forward`` (every rank runs it: the
+        CUDA graph of ``graph_bucket`` when > 0, else the eager model; ``batch_wire.WireBatch``).
 
         Raises TPRankDied when the group is dead or a collective fails (the group is dead after).
         """
         if self._dead is not None:
             raise TPRankDied(self._dead)
-        msg = pack_batch(batch, logit_index, req_to_token)
+        msg = pack_batch(batch, logit_index, req_to_token, graph_bucket)
         try:
             frame = _FRAME.pack(OP_BATCH, msg.numel())
             for fd in self._pipes:
@@ -220,8 +221,8 @@ class TPGroup:
             self._fail(reason)
             raise TPRankDied(reason) from None
 
-    def receive(self, req_to_token: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor | None] | None:
-        """A follower: the next batch (its rows written into ``req_to_token``), or None when rank 0
+    def receive(self, req_to_token: torch.Tensor) -> WireBatch | None:
+        """A follower: the next forward (its rows written into ``req_to_token``), or None when rank 0
         stops the group or is gone (the pipe ended). Command frames before it go to ``on_command``
         in order. Raises RuntimeError when the broadcast fails."""
         while True:

@@ -4,6 +4,8 @@
   its intermediate columns); no communication, its output stays sharded.
 * :class:`RowParallelLinear` holds the matching slice of the input features (o: its heads; down:
   its intermediate columns) and all-reduces the partial sums: one all-reduce per use.
+  :class:`PackedRowParallelLinear` is the same with its local GEMM on oneDNN-packed weights (the
+  CPU fused-ops path, ``engine.torch_fused_ops``); the all-reduce stays.
 * :class:`VocabParallelEmbedding` holds ``vocab_per_rank`` rows; ids outside them give zeros and
   the all-reduce fills every row.
 * :class:`ParallelLMHead` computes its rows' logits and gathers them to rank 0 only (sampling
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from engine.models.cpu_linear import PackedLinear
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -41,6 +45,21 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+class PackedRowParallelLinear(PackedLinear):
+    """A :class:`RowParallelLinear` whose local ``x_local @ W[:, cols].T`` runs on packed weights
+    (float32 CPU, :class:`~engine.models.cpu_linear.PackedLinear`), then the same all-reduce.
+    ``weight`` is the row-parallel module's own parameter (names unchanged)."""
+
+    def __init__(self, row: RowParallelLinear):
+        super().__init__(row.weight, None)
+        self.group = row.group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
         dist.all_reduce(y, group=self.group)
         return y
 

@@ -108,7 +108,9 @@ def fused_linear(linears: list[nn.Linear]) -> nn.Linear:
 
 
 def pack_linear(lin: nn.Module, impl: CpuLinear) -> nn.Module:
-    """``lin`` as ``impl`` runs it: itself for TORCH or an unsupported weight, else a PackedLinear."""
-    if impl is CpuLinear.PACKED and isinstance(lin, nn.Linear) and packed_linear_supported(lin.weight):
+    """``lin`` as ``impl`` runs it: itself for TORCH, an unsupported weight or anything but a plain
+    ``nn.Linear`` (a subclass's own ``forward``, e.g. a row-parallel all-reduce, must not be
+    dropped), else a PackedLinear."""
+    if impl is CpuLinear.PACKED and type(lin) is nn.Linear and packed_linear_supported(lin.weight):
         return PackedLinear.from_linear(lin)
     return lin

@@ -3,7 +3,9 @@ torch.distributed (gloo, one torch thread per rank) on the default model, SmolLM
 3 kv heads): TP=2 is the split whose head counts do not divide (uneven kv shards 2 + 1), TP=3 the
 even one.
 
-* greedy tokens of TP=2 and 3 equal the transformers reference (as TP=1's do: test_engine_golden), in one continuously batched run and
+* with fused ops on (the default: fused q/k/v and gate/up GEMMs on each rank's slices, packed
+  o/down keeping their all-reduce), greedy tokens of TP=2 and 3 equal the transformers reference
+  (as TP=1's do: test_engine_golden), in one continuously batched run and
   again from the radix cache; KV accounting idle afterwards; the last-token logits of an extend
   within fp32 tolerance of the reference's; each rank's pool holds only its kv heads;
 * a split that cannot work (TP=4) is refused naming ``tp`` before any process starts;
@@ -29,6 +31,7 @@ import pytest
 import torch
 
 from engine.distributed.group import TPRankDied
+from engine.distributed.parallel_linear import PackedRowParallelLinear
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.forward_batch import ForwardBatch, ForwardMode
@@ -91,6 +94,12 @@ def test_logits_within_fp32_tolerance_and_pool_holds_own_kv_heads(engine, refere
     tp = engine.config.tp_size
     assert runner.kv_pool.num_kv_heads == {2: 2, 3: 1}[tp]  # rank 0's shard of SmolLM2's 3
     assert len(runner.tp.follower_pids) == tp - 1
+    # fused ops (the default) run under TP: fused q/k/v + gate/up on the column slices, packed o/down
+    # that keep their all-reduce
+    layer = runner.model.model.layers[0]
+    assert runner.model._fused is not None
+    assert isinstance(layer.self_attn.o_proj, PackedRowParallelLinear)
+    assert isinstance(layer.mlp.down_proj, PackedRowParallelLinear)
     for ids, ref_logits in zip(prompts, want):
         row = runner.req_to_token_pool.alloc()
         slots = runner.allocator.alloc_slots(0, len(ids), None)

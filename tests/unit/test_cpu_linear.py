@@ -1,6 +1,7 @@
 """Packed CPU linears and the torch fused projections: same results as F.linear / the unfused model
 within float32 summation-order tolerance, 121 instead of 211 GEMMs per SmolLM2 decode step, parameter
-names and weight ties unchanged, and an unknown ``cpu_linear`` rejected before anything loads."""
+names and weight ties unchanged, a row-parallel linear packed with its all-reduce kept, and an
+unknown ``cpu_linear`` rejected before anything loads."""
 
 from __future__ import annotations
 
@@ -44,6 +45,21 @@ def test_fused_linear_views_and_output():
     for p, off in zip(parts, (0, 48, 64)):  # the originals are row blocks of the fused tensor
         assert p.weight.data_ptr() == w.data_ptr() + off * 32 * 4
         assert p.bias.data_ptr() == fused.bias.data_ptr() + off * 4
+
+
+def test_a_row_parallel_linear_keeps_its_all_reduce_when_packed():
+    """pack_linear packs plain nn.Linear only: a subclass's forward (the row-parallel all-reduce under
+    tensor parallelism) is not dropped; the torch fused ops pack its local GEMM and keep the all-reduce."""
+    from engine.distributed.parallel_linear import PackedRowParallelLinear, RowParallelLinear
+    from engine.models.cpu_linear import pack_linear
+    from engine.torch_fused_ops import _pack_out
+
+    row = RowParallelLinear(32, 16, group=None)
+    assert pack_linear(row, CpuLinear.PACKED) is row
+    packed = _pack_out(row, CpuLinear.PACKED)
+    assert isinstance(packed, PackedRowParallelLinear) and packed.weight is row.weight
+    assert _pack_out(row, CpuLinear.TORCH) is row
+    assert isinstance(pack_linear(torch.nn.Linear(32, 16), CpuLinear.PACKED), PackedLinear)
 
 
 def test_cpu_linear_parse_names_the_field():
