@@ -15,6 +15,7 @@ not run yet, so once the worker is idle those rows hold what the followers were 
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import time
@@ -85,7 +86,7 @@ def last_rows(group) -> list[list[int]]:
     return [[int(r), int(s)] for r, s in zip(rows.tolist(), seq.tolist())]
 
 
-_ids = iter(range(1, 1 << 62))
+_ids = itertools.count(1)  # query ids, one sequence per process
 
 
 def rank_accounting(runner, timeout_s: float = 10.0) -> list[common_pb2.RankAccounting]:
@@ -107,15 +108,21 @@ def rank_accounting(runner, timeout_s: float = 10.0) -> list[common_pb2.RankAcco
     for rank in range(1, group.size):
         qid = next(_ids)
         group.send_command(rank, AccountingQuery(qid, rows).encode())
-        got = _await_reply(group.replies(rank), qid, time.monotonic() + timeout_s, rank)
+        got = await_reply(group.replies(rank), qid, time.monotonic() + timeout_s, rank)
         out.append(common_pb2.RankAccounting(rank=got["rank"], pool_pages=got["pool_pages"],
                                              batches=got["batches"], table_rows=got["table_rows"],
                                              table_crc=got["table_crc"]))
     return out
 
 
-def _await_reply(q: queue.Queue, qid: int, deadline: float, rank: int) -> dict:
-    """The accounting reply ``qid`` from ``q``; other replies (P's write replies) go back in it."""
+def await_reply(q: queue.Queue, qid: int, deadline: float, rank: int) -> dict:
+    """The accounting reply ``qid`` (decoded JSON) from ``q``, a rank's reply queue; other replies
+    (P's write replies, a start-up descriptor) go back in it, a late answer to an earlier query is
+    dropped.
+
+    Raises:
+        TimeoutError: no such reply by ``deadline`` (``time.monotonic()`` seconds), naming ``rank``.
+    """
     others: list[bytes] = []
     try:
         while True:
