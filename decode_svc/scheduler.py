@@ -183,9 +183,9 @@ class DecodeScheduler(SchedulerLoop):
                 self._accept(job)
             case Abort():
                 self._abort(msg)
-            case LoadQuery(reply=reply):
+            case LoadQuery():
                 self.running.settle()  # report settled accounting: no step half done
-                reply.set_result(self._load_report())
+                self.answer_load(msg, self._load_report(), self.runner)
             case Notice():
                 committed = self.kv_wait.on_notice(msg)
                 if committed is not None:

@@ -172,7 +172,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def GetLoad(self, request, context):
         try:
-            rep = self.sched.load()
+            rep = self.sched.load(per_rank=request.per_rank)
         except ServiceError as e:
             context.abort(e.code, str(e))
         rep.worker_id = self.worker_id

@@ -45,9 +45,11 @@ def abort_targets(jobs: Mapping[int, object], msg: Abort) -> list:
 
 @dataclass(frozen=True)
 class LoadQuery:
-    """Report the load and KV accounting into ``reply`` (a ``common_pb2.LoadReport``)."""
+    """Report the load and KV accounting into ``reply`` (a ``common_pb2.LoadReport``); with
+    ``per_rank`` also every tensor-parallel rank's (``LoadReport.ranks``)."""
 
     reply: Future
+    per_rank: bool = False
 
 
 @dataclass(frozen=True)

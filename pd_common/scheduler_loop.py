@@ -19,6 +19,7 @@ import grpc
 from engine.distributed.group import TPRankDied
 from pd_common.inbox import Abort, Inbox, LoadQuery, Wake
 from pd_common.protocol import ServiceError
+from pd_common.rank_accounting import rank_accounting
 from pd_common.rooms import KnownRooms
 from pd_common.worker_runtime import bind_cuda_device
 from protos import common_pb2
@@ -56,20 +57,32 @@ class SchedulerLoop(ABC):
         still its room's live job, so a refused duplicate never ends the request it collided with."""
         self.inbox.post(Abort(job.room, job.request_id, reason, job))
 
-    def load(self, timeout_s: float = 60.0) -> common_pb2.LoadReport:
-        """Load and KV accounting (pages), from the scheduler thread.
+    def load(self, timeout_s: float = 60.0, per_rank: bool = False) -> common_pb2.LoadReport:
+        """Load and KV accounting (pages), from the scheduler thread; ``per_rank``: with every
+        tensor-parallel rank's entry (``pd_common.rank_accounting``).
 
         Raises ServiceError(UNAVAILABLE) when the thread has not answered within ``timeout_s``
         seconds (one very long step, or a wedged loop): a GetLoad caller gets a status, not a
         traceback in the worker's log.
         """
         fut: Future = Future()
-        self.inbox.post(LoadQuery(fut))
+        self.inbox.post(LoadQuery(fut, per_rank))
         try:
             return fut.result(timeout=timeout_s)
         except FutureTimeout:  # the late answer is set on a future nobody reads
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"{self._thread.name} did not report its load within {timeout_s:g} s") from None
+
+    def answer_load(self, msg: LoadQuery, report: common_pb2.LoadReport, runner) -> None:
+        """Answer ``msg`` with ``report`` (scheduler thread), adding every rank's accounting when it
+        asks; a rank that cannot answer is the query's UNAVAILABLE, not the loop's failure."""
+        if msg.per_rank:
+            try:
+                report.ranks.extend(rank_accounting(runner))
+            except (TPRankDied, TimeoutError) as e:
+                msg.reply.set_exception(ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)))
+                return
+        msg.reply.set_result(report)
 
     def stop(self, message: str) -> None:
         """End the loop and answer every waiting caller with UNAVAILABLE ``message``."""

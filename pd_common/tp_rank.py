@@ -7,7 +7,8 @@ segment descriptor as its first reply; rank 0 folds it into the worker's one des
 (transfer_svc/rank_regions.py). On a prefill worker rank 0 then sends it *write commands*
 (``WriteCommand``, JSON): the pages and D ranks to write this rank's kv heads into. The rank submits
 them on its own engine and replies once every put completed or one failed (``WriteReply``), which
-rank 0 needs before it sends D the notice.
+rank 0 needs before it sends D the notice. On P and D it answers rank 0's accounting queries
+(``pd_common.rank_accounting``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from engine.distributed.follower import parse_args, run_follower
 from pd_common.head_slices import PageShape, RankWrite, slice_descriptors
+from pd_common.rank_accounting import answer, is_accounting
 from protos import registry_pb2
 from transfer_svc.rank_regions import RankRegion
 from transfer_svc.types import State
@@ -102,8 +104,12 @@ class WriteAgent:
     def handle(self, payload: bytes) -> None:
         """``TPGroup.on_command``: never raises (a failure is the command's reply)."""
         try:
+            d = json.loads(payload)
+            if is_accounting(d):  # rank 0 asks what this rank's pool and page table hold
+                self.group.reply(answer(d, self.me.rank, self.runner, self.group.batches).encode())
+                return
             cmd = WriteCommand.decode(payload)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, KeyError) as e:
             log.error("tensor-parallel rank %d: unreadable write command: %s", self.group.rank, e)
             return
         bids, puts, nbytes = [], 0, 0

@@ -18,11 +18,13 @@ per-rank puts go straight from each rank's own pool, in parallel across ranks.
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pd_common.head_slices import PageShape, RankWrite, plan_rank_writes, slice_descriptors
+from pd_common.rank_accounting import is_accounting
 from pd_common.tp_rank import WriteCommand, WriteReply, WriteTarget
 from transfer_svc.engine import BatchStatus, DescriptorError, State
 from transfer_svc.rank_regions import RankRegion, rank_descriptor, rank_regions
@@ -133,6 +135,8 @@ class RankWriter:
                     data = q.get_nowait()
                 except queue.Empty:
                     break
+                if is_accounting(json.loads(data)):
+                    continue  # a late answer to a timed-out accounting query
                 reply = WriteReply.decode(data)
                 bid = self._by_cmd.pop(reply.id, None)
                 if bid in self._batches:

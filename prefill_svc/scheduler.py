@@ -145,7 +145,7 @@ class PrefillScheduler(SchedulerLoop):
         elif isinstance(msg, Abort):
             self._abort(msg)
         elif isinstance(msg, LoadQuery):
-            msg.reply.set_result(self._load_report())
+            self.answer_load(msg, self._load_report(), self.runner)
 
     def iterate(self) -> None:
         self.sender.expire()

@@ -98,8 +98,10 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("per_rank",)
+    PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    per_rank: bool
+    def __init__(self, per_rank: _Optional[bool] = ...) -> None: ...
 
 class KVAccounting(_message.Message):
     __slots__ = ("total_pages", "free_pages", "evictable_pages", "locked_pages", "owned_pages", "min_lock_ref", "held_rooms", "held_req_slots")
@@ -122,17 +124,33 @@ class KVAccounting(_message.Message):
     def __init__(self, total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., locked_pages: _Optional[int] = ..., owned_pages: _Optional[int] = ..., min_lock_ref: _Optional[int] = ..., held_rooms: _Optional[int] = ..., held_req_slots: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "waiting_requests", "running_requests", "transferring_requests", "kv_usage", "accounting")
+    __slots__ = ("worker_id", "waiting_requests", "running_requests", "transferring_requests", "kv_usage", "accounting", "ranks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERRING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     ACCOUNTING_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     waiting_requests: int
     running_requests: int
     transferring_requests: int
     kv_usage: float
     accounting: KVAccounting
-    def __init__(self, worker_id: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., transferring_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., accounting: _Optional[_Union[KVAccounting, _Mapping]] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankAccounting]
+    def __init__(self, worker_id: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., transferring_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., accounting: _Optional[_Union[KVAccounting, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankAccounting, _Mapping]]] = ...) -> None: ...
+
+class RankAccounting(_message.Message):
+    __slots__ = ("rank", "pool_pages", "batches", "table_rows", "table_crc")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TABLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_CRC_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pool_pages: int
+    batches: int
+    table_rows: int
+    table_crc: int
+    def __init__(self, rank: _Optional[int] = ..., pool_pages: _Optional[int] = ..., batches: _Optional[int] = ..., table_rows: _Optional[int] = ..., table_crc: _Optional[int] = ...) -> None: ...

@@ -104,6 +104,8 @@ class TPGroup:
         self._reply_fds = reply_fds if control_fd is None and reply_fds else []
         self._replies: list[queue.Queue] = [queue.Queue() for _ in self._reply_fds]
         self.on_command: Callable[[bytes], None] | None = None  # a follower's handler of command frames
+        self.batches = 0  # forwards run as the group (rank 0: sent); per-rank accounting compares them
+        self.last_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # rank 0: last batch's (rows, seq_lens CPU)
         self._dead: str | None = None
         self._closing = threading.Event()
         self._watch = None
@@ -213,6 +215,8 @@ class TPGroup:
             for fd in self._pipes:
                 os.write(fd, frame)
             dist.broadcast(msg, src=0, group=self.group)
+            self.batches += 1
+            self.last_rows = (batch.req_pool_indices, batch.host_lens()[0])
             return forward()
         except (OSError, RuntimeError) as e:
             # a peer's death usually shows first as a reset socket: name the rank that exited if any
@@ -243,6 +247,7 @@ class TPGroup:
             return None
         msg = torch.empty(n, dtype=torch.int64, device=self.device)
         dist.broadcast(msg, src=0, group=self.group)
+        self.batches += 1
         return unpack_batch(msg, req_to_token)
 
     def _read_control(self, n: int) -> bytes | None:

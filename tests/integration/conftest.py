@@ -232,20 +232,23 @@ def start_stack(log_dir: Path, *, page_size: int = 16, prefill_pages: int | None
             proc.stop()
 
 
-def get_load(address: str, service: str, credentials=None):
+def get_load(address: str, service: str, credentials=None, per_rank: bool = False):
     """``GetLoad`` of the worker at ``address`` (``credentials``: a security.ClusterCredentials, for a
-    stack with a cluster token or mTLS; None: an open one)."""
+    stack with a cluster token or mTLS; None: an open one; ``per_rank``: with every TP rank's entry)."""
     from protos import decode_pb2_grpc, prefill_pb2_grpc, common_pb2
     from security import OPEN
 
     with (credentials or OPEN).channel(address) as ch:
         stub = (prefill_pb2_grpc.PrefillStub if service == "prefill" else decode_pb2_grpc.DecodeStub)(ch)
-        return stub.GetLoad(common_pb2.GetLoadRequest(), timeout=30)
+        return stub.GetLoad(common_pb2.GetLoadRequest(per_rank=per_rank), timeout=30)
 
 
 def assert_idle_accounting(stack_or_addrs, timeout: float = 30.0, credentials=None) -> dict:
     """Wait until P and D are idle, then assert free + evictable + locked + owned == pool, no lock,
-    room or request slot held. Returns {"prefill": KVAccounting, "decode": KVAccounting}."""
+    room or request slot held, and every tensor-parallel rank agrees with rank 0. Returns
+    {"prefill": KVAccounting, "decode": KVAccounting}."""
+    from pd_common.rank_accounting import disagreements
+
     if isinstance(stack_or_addrs, Stack):
         targets = [("prefill", stack_or_addrs.prefill_addr)]
         targets += [("decode", d.address) for d in stack_or_addrs.decodes.values()
@@ -265,6 +268,12 @@ def assert_idle_accounting(stack_or_addrs, timeout: float = 30.0, credentials=No
         assert a.locked_pages == 0 and a.min_lock_ref == 0, (service, a)
         assert a.owned_pages == 0, (service, a)
         assert a.held_rooms == 0 and a.held_req_slots == 0, (service, a)
+        # every tensor-parallel rank: its pool holds the pages rank 0 places, and it ran the same
+        # forwards over the same page-table rows (pd_common/rank_accounting.py)
+        ranks = get_load(addr, service, credentials, per_rank=True).ranks
+        assert [r.rank for r in ranks] == list(range(len(ranks))) and ranks, (service, ranks)
+        assert ranks[0].pool_pages == a.total_pages, (service, ranks[0], a)
+        assert not disagreements(ranks), (service, disagreements(ranks))
         out[service] = a
     return out
 
