@@ -178,14 +178,11 @@ class Dispatcher:
         start = arrival or time.monotonic()
         timeout = timeout if timeout is not None else self.request_timeout
         deadline = start + timeout
-        rid = prep.request_id
         with RequestScope(self, prep, start, ticket) as scope:
             handle = scope.handle
             legs, first, attempt = await self.attempts.open(prep, handle, scope.abort_wait, deadline, set())
             if first is None:  # aborted before the first token
-                handle.status = "cancelled"
-                yield router_pb2.GenerateResponse(request_id=rid, finish_reason="abort",
-                                                  usage=router_pb2.Usage(prompt_tokens=len(prep.input_ids)))
+                yield scope.aborted_early()
                 return
             if ticket is not None:
                 ticket.started()

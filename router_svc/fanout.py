@@ -90,10 +90,8 @@ async def samples(dispatcher: Dispatcher, prep: PreparedRequest, timeout: float 
         handle, abort_wait, waits = scope.handle, scope.abort_wait, scope.waits[1:]
         legs, first, attempt = await dispatcher.open_pair(pd, handle, abort_wait, deadline)
         if first is None:   # aborted before the first token
-            handle.status = "cancelled"
             for i in range(count):
-                yield i, router_pb2.GenerateResponse(request_id=rid, finish_reason="abort",
-                                                     usage=router_pb2.Usage(prompt_tokens=len(prep.input_ids)))
+                yield i, scope.aborted_early()
             return
         if ticket is not None:
             ticket.started()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import grpc
 
+from protos import router_pb2
 from router_svc.admission import Ticket
 from router_svc.attempts import Inflight
 from router_svc.errors import RouterError
@@ -66,6 +67,13 @@ class RequestScope:
     @property
     def abort_wait(self) -> asyncio.Future:
         return self.waits[0]
+
+    def aborted_early(self) -> router_pb2.GenerateResponse:
+        """The request was aborted before its first token: status ``"cancelled"``, and the answer
+        (one per sample) with finish_reason ``abort`` and the prompt's tokens as its usage."""
+        self.handle.status = "cancelled"
+        return router_pb2.GenerateResponse(request_id=self.prep.request_id, finish_reason="abort",
+                                           usage=router_pb2.Usage(prompt_tokens=len(self.prep.input_ids)))
 
     def __enter__(self) -> "RequestScope":
         tenant = self.prep.tenant

@@ -89,3 +89,17 @@ def test_a_clash_on_a_sample_id_releases_the_ids_held_and_closes_the_ticket(tok)
         assert d.admission.queued == 0
         assert _count(d, "error") == errors   # refused, not counted as a request that ran
     asyncio.run(main())
+
+
+def test_aborted_before_the_first_token_answers_abort_with_the_prompt_usage(tok):
+    async def main():
+        d = _dispatcher(tok)
+        prep = prepare(router_pb2.GenerateRequest(request_id="r3", text="Hello there",
+                                                  sampling=common_pb2.SamplingParams(max_tokens=4)), tok)
+        before = _count(d, "cancelled")
+        with RequestScope(d, prep) as scope:
+            resp = scope.aborted_early()
+        assert (resp.request_id, resp.finish_reason) == ("r3", "abort")
+        assert resp.usage.prompt_tokens == len(prep.input_ids) > 0 and not resp.token_ids
+        assert _count(d, "cancelled") == before + 1
+    asyncio.run(main())
