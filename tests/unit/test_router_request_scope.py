@@ -28,6 +28,11 @@ def _dispatcher(tok) -> Dispatcher:
                       admission=Admission(max_queued=4))
 
 
+def _prep(tok, request_id: str, text: str = "Hello"):
+    return prepare(router_pb2.GenerateRequest(request_id=request_id, text=text,
+                                              sampling=common_pb2.SamplingParams(max_tokens=4)), tok)
+
+
 def _count(d: Dispatcher, status: str) -> float:
     return M.ROUTER_REQUESTS.labels(status=status, policy=d.policy_label, tenant="anonymous")._value.get()
 
@@ -64,8 +69,7 @@ async def _end_with(d: Dispatcher, prep, exc: BaseException | None, extra=()) ->
 def test_how_a_request_ends_is_its_counted_status(tok, exc, status):
     async def main():
         d = _dispatcher(tok)
-        prep = prepare(router_pb2.GenerateRequest(request_id="r1", text="Hello",
-                                                  sampling=common_pb2.SamplingParams(max_tokens=4)), tok)
+        prep = _prep(tok, "r1", "Hello")
         before = _count(d, status)
         scope = await _end_with(d, prep, exc, extra=["r1#0", "r1#1"])
         assert scope.handle.status == status
@@ -76,8 +80,7 @@ def test_how_a_request_ends_is_its_counted_status(tok, exc, status):
 def test_a_clash_on_a_sample_id_releases_the_ids_held_and_closes_the_ticket(tok):
     async def main():
         d = _dispatcher(tok)
-        prep = prepare(router_pb2.GenerateRequest(request_id="r2", text="Hello",
-                                                  sampling=common_pb2.SamplingParams(max_tokens=4)), tok)
+        prep = _prep(tok, "r2", "Hello")
         d.reserve(prep.tenant, "r2#1")   # another request runs with that id
         ticket = d.admit(prep.tenant, 0.0)
         errors = _count(d, "error")
@@ -94,8 +97,7 @@ def test_a_clash_on_a_sample_id_releases_the_ids_held_and_closes_the_ticket(tok)
 def test_aborted_before_the_first_token_answers_abort_with_the_prompt_usage(tok):
     async def main():
         d = _dispatcher(tok)
-        prep = prepare(router_pb2.GenerateRequest(request_id="r3", text="Hello there",
-                                                  sampling=common_pb2.SamplingParams(max_tokens=4)), tok)
+        prep = _prep(tok, "r3", "Hello there")
         before = _count(d, "cancelled")
         with RequestScope(d, prep) as scope:
             resp = scope.aborted_early()
