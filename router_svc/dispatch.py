@@ -21,7 +21,8 @@ Steps 1-3 are :class:`router_svc.attempts.Attempts`, step 4 :class:`router_svc.r
 module keeps the request's lifecycle around them.
 
 Client cancel, disconnect, deadline, ``Router.Abort`` and a stop string seen by the router all
-cancel the calls and send ``Abort`` to both legs. Every exit path goes through one ``finally``.
+cancel the calls and send ``Abort`` to both legs. Every exit path goes through one
+``RequestScope`` (router_svc/request_scope.py).
 
 Request ids are scoped per tenant: running requests are keyed by ``(tenant, request_id)``, so
 ``Router.Abort`` and the ALREADY_EXISTS check reach only the caller's own requests, and workers get
@@ -42,13 +43,13 @@ from router_svc.admission import Admission, Ticket
 from router_svc.api_keys import ANONYMOUS
 from router_svc.attempts import Attempts, Inflight
 from router_svc.errors import RouterError
-from router_svc.legs import Legs, LocalLeg
 from router_svc.local_prefill import LocalPrefillPolicy
 from router_svc.migration import StreamState
 from router_svc.pair_policy import KVPairPolicy
 from router_svc.policies import Policy
 from router_svc.pool import WorkerPool
 from router_svc.relay import Relay
+from router_svc.request_scope import RequestScope
 from router_svc.tokenizer import RouterTokenizer
 from router_svc.validation import PreparedRequest
 
@@ -177,45 +178,16 @@ class Dispatcher:
         start = arrival or time.monotonic()
         timeout = timeout if timeout is not None else self.request_timeout
         deadline = start + timeout
-        rid = prep.request_id
-        try:
-            handle = self.reserve(prep.tenant, rid)
-        except RouterError:
-            if ticket is not None:
-                ticket.close()
-            raise
-        M.ROUTER_IN_FLIGHT.inc()
-        M.ROUTER_PROMPT_TOKENS.labels(tenant=prep.tenant).inc(len(prep.input_ids))
-        legs: Legs | LocalLeg | None = None
-        abort_wait = asyncio.ensure_future(handle.aborted.wait())
-        try:
-            legs, first, attempt = await self.attempts.open(prep, handle, abort_wait, deadline, set())
+        with RequestScope(self, prep, start, ticket) as scope:
+            handle = scope.handle
+            legs, first, attempt = await self.attempts.open(prep, handle, scope.abort_wait, deadline, set())
             if first is None:  # aborted before the first token
-                handle.status = "cancelled"
-                yield router_pb2.GenerateResponse(request_id=rid, finish_reason="abort",
-                                                  usage=router_pb2.Usage(prompt_tokens=len(prep.input_ids)))
+                yield scope.aborted_early()
                 return
             if ticket is not None:
                 ticket.started()
             state = StreamState(prep, self.migration_limit, retries=attempt)
-            async for resp in self.relay.stream(state, legs, first, abort_wait, handle, deadline, start):
+            async for resp in self.relay.stream(state, legs, first, scope.abort_wait, handle, deadline, start):
                 if resp.finish_reason:
                     handle.status = "cancelled" if resp.finish_reason == "abort" else "ok"
                 yield resp
-        except RouterError as exc:
-            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                handle.status = "timeout"
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            handle.status = "cancelled"
-            raise
-        finally:
-            abort_wait.cancel()
-            if ticket is not None:
-                ticket.close()
-            if handle.legs is not None and not handle.legs.closed:
-                handle.legs.close(abort=True, reason=handle.reason or "client went away", background=self._background)
-            self.release(prep.tenant, rid)
-            M.ROUTER_IN_FLIGHT.dec()
-            self.count(handle.status, start, prep.tenant)
-

@@ -42,6 +42,7 @@ from router_svc.relay import detokenize_chunk
 from router_svc.errors import RouterError
 from router_svc.legs import Legs, code_of, discard, send_aborts
 from router_svc.migration import StreamState
+from router_svc.request_scope import RequestScope
 from router_svc.validation import PreparedRequest
 from telemetry import metrics as M
 
@@ -83,57 +84,21 @@ async def samples(dispatcher: Dispatcher, prep: PreparedRequest, timeout: float 
     """
     start = arrival or time.monotonic()
     deadline = start + (timeout if timeout is not None else dispatcher.request_timeout)
-    rid, tenant, count = prep.request_id, prep.tenant, prep.best_of
-    ids = [rid] + [f"{rid}#{i}" for i in range(count)]
-    handles = []
-    try:
-        for i in ids:
-            handles.append(dispatcher.reserve(tenant, i))
-    except RouterError:
-        for i in ids[:len(handles)]:
-            dispatcher.release(tenant, i)
-        if ticket is not None:
-            ticket.close()
-        raise
-    handle = handles[0]
+    rid, count = prep.request_id, prep.best_of
     pd = pd_request(prep, logprobs)
-    M.ROUTER_IN_FLIGHT.inc()
-    M.ROUTER_PROMPT_TOKENS.labels(tenant=tenant).inc(len(prep.input_ids))
-    abort_wait = asyncio.ensure_future(handle.aborted.wait())
-    waits = [asyncio.ensure_future(h.aborted.wait()) for h in handles[1:]]
-    try:
+    with RequestScope(dispatcher, prep, start, ticket, [f"{rid}#{i}" for i in range(count)]) as scope:
+        handle, abort_wait, waits = scope.handle, scope.abort_wait, scope.waits[1:]
         legs, first, attempt = await dispatcher.open_pair(pd, handle, abort_wait, deadline)
         if first is None:   # aborted before the first token
-            handle.status = "cancelled"
             for i in range(count):
-                yield i, router_pb2.GenerateResponse(request_id=rid, finish_reason="abort",
-                                                     usage=router_pb2.Usage(prompt_tokens=len(prep.input_ids)))
+                yield i, scope.aborted_early()
             return
         if ticket is not None:
             ticket.started()
         ss = [_Sample(i, IncrementalDetokenizer(dispatcher.tok.backend, pd.input_ids, pd.stop),
-                      StreamState(pd, 0, retries=attempt), handles[i + 1], waits[i]) for i in range(count)]
+                      StreamState(pd, 0, retries=attempt), scope.handles[i + 1], waits[i]) for i in range(count)]
         async for item in _relay(dispatcher, legs, first, ss, handle, abort_wait, deadline, start):
             yield item
-    except RouterError as exc:
-        if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            handle.status = "timeout"
-        raise
-    except (asyncio.CancelledError, GeneratorExit):
-        handle.status = "cancelled"
-        raise
-    finally:
-        for w in [abort_wait, *waits]:
-            w.cancel()
-        if ticket is not None:
-            ticket.close()
-        if handle.legs is not None and not handle.legs.closed:
-            handle.legs.close(abort=True, reason=handle.reason or "client went away",
-                              background=dispatcher.background)
-        for i in ids:
-            dispatcher.release(tenant, i)
-        M.ROUTER_IN_FLIGHT.dec()
-        dispatcher.count(handle.status, start, tenant)
 
 
 async def _relay(dispatcher: Dispatcher, legs: Legs, first, ss: list[_Sample], handle, abort_wait: asyncio.Future,

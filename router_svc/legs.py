@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from abc import ABC, abstractmethod
 
 import grpc
 
@@ -23,23 +24,59 @@ class LegFailure(Exception):
         self.leg, self.worker, self.code, self.detail = leg, worker, code, detail
 
 
-class Legs:
+class DecodeCall(ABC):
+    """What every attempt has: D's ``Generate`` stream (``d_call``), counted in the workers'
+    ``inflight`` until :meth:`close`; subclasses add P's leg, or none."""
+
+    def __init__(self, prep: PreparedRequest, d: Worker, room: int, dreq: decode_pb2.DecodeRequest,
+                 timeout: float | None) -> None:
+        self.prep, self.d, self.room = prep, d, room
+        self.d_call = d.stub.Generate(dreq, timeout=timeout)
+        d.inflight += 1
+        self.closed = False
+
+    @abstractmethod
+    def p_done(self) -> prefill_pb2.PrefillResult | None:
+        """P's answer, once known."""
+
+    def workers(self) -> tuple[Worker, ...]:
+        """The workers this attempt calls (each sent ``Abort`` by :meth:`close`)."""
+        return (self.d,)
+
+    def read(self) -> asyncio.Task:
+        return asyncio.ensure_future(self.d_call.read())
+
+    def close(self, abort: bool, reason: str, background: set) -> None:
+        """Cancel what still runs; with ``abort``, also send Abort(request_id, room) to every leg."""
+        if self.closed:
+            return
+        self.closed = True
+        for w in self.workers():
+            w.inflight -= 1
+        self.d_call.cancel()
+        self._cancel_others()
+        if abort:
+            send_aborts(self.prep, self.room, reason, self.workers(), background)
+
+    def _cancel_others(self) -> None:
+        """Cancel the calls besides D's (none here)."""
+
+
+class Legs(DecodeCall):
     """The two concurrent calls of one attempt."""
 
     def __init__(self, prep: PreparedRequest, p: Worker, d: Worker, room: int, timeout: float | None) -> None:
-        self.prep, self.p, self.d, self.room = prep, p, d, room
         dreq = decode_pb2.DecodeRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
                                         sampling=prep.sampling, prefill_address=p.address,
                                         prefill_worker_id=p.worker_id, n=prep.best_of)
+        super().__init__(prep, d, room, dreq, timeout)
+        self.p = p
         # best_of samples: one prefill, n first tokens, D forks (router_svc/fanout.py)
         preq = prefill_pb2.PrefillRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
                                           sampling=prep.sampling, n=prep.best_of)
-        self.d_call = d.stub.Generate(dreq, timeout=timeout)
         self.p_task: asyncio.Task = asyncio.ensure_future(p.stub.Prefill(preq, timeout=timeout))
         self.p_result: prefill_pb2.PrefillResult | None = None
         p.inflight += 1
-        d.inflight += 1
-        self.closed = False
 
     def p_done(self) -> prefill_pb2.PrefillResult | None:
         """P's answer, when its call already succeeded."""
@@ -48,53 +85,29 @@ class Legs:
             self.p_result = self.p_task.result()
         return self.p_result
 
-    def read(self) -> asyncio.Task:
-        return asyncio.ensure_future(self.d_call.read())
+    def workers(self) -> tuple[Worker, ...]:
+        return (self.d, self.p)
 
-    def close(self, abort: bool, reason: str, background: set) -> None:
-        """Cancel what still runs; with ``abort``, also send Abort(request_id, room) to both legs."""
-        if self.closed:
-            return
-        self.closed = True
-        self.p.inflight -= 1
-        self.d.inflight -= 1
-        self.d_call.cancel()
+    def _cancel_others(self) -> None:
         discard(self.p_task)
-        if abort:
-            send_aborts(self.prep, self.room, reason, (self.d, self.p), background)
 
 
-class LocalLeg:
+class LocalLeg(DecodeCall):
     """One attempt with a decode leg only (``DecodeRequest.local_prefill``, router_svc/local_prefill.py):
     the interface of :class:`Legs` with ``p`` None and ``p_result`` an empty ``PrefillResult`` (P
     computed and sent nothing, so usage keeps D's numbers)."""
 
     def __init__(self, prep: PreparedRequest, d: Worker, room: int, timeout: float | None) -> None:
-        self.prep, self.p, self.d, self.room = prep, None, d, room
         dreq = decode_pb2.DecodeRequest(request_id=prep.worker_request_id, room=room, input_ids=prep.input_ids,
                                         sampling=prep.sampling, local_prefill=True)
-        self.d_call = d.stub.Generate(dreq, timeout=timeout)
+        super().__init__(prep, d, room, dreq, timeout)
+        self.p = None
         self.p_task: asyncio.Future | None = None
         self.p_result = prefill_pb2.PrefillResult()
-        d.inflight += 1
-        self.closed = False
 
     def p_done(self) -> prefill_pb2.PrefillResult:
         """P's answer: always the empty result (no P leg)."""
         return self.p_result
-
-    def read(self) -> asyncio.Task:
-        return asyncio.ensure_future(self.d_call.read())
-
-    def close(self, abort: bool, reason: str, background: set) -> None:
-        """Cancel D's call; with ``abort``, also send it Abort(request_id, room)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.d.inflight -= 1
-        self.d_call.cancel()
-        if abort:
-            send_aborts(self.prep, self.room, reason, (self.d,), background)
 
 
 def send_aborts(prep: PreparedRequest, room: int, reason: str, workers, background: set,

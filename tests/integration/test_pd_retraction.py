@@ -4,7 +4,8 @@ without ``max_tokens`` on ``halfmoon up``'s default pool.
 * P → D with a 24-page decode pool, a 16-token reserve and a projection that admits whatever
   fits: 8 requests that each end at 6 pages
   cannot all hold their KV at once, so D retracts and resumes (recomputing tails itself) again and
-  again; every request's greedy tokens must still equal the co-located engine's.
+  again; every request's greedy tokens must still equal the co-located engine's. The same stack
+  has a second D with that pool and no decode radix cache (a resume recomputes from scratch).
 * The same stack with ``--queue-keepalive 1``: while one long request holds most of the pool, a
   second request waits in D's admission queue; its Generate stream gets empty keepalive chunks
   before its first token (none after), then exactly the co-located engine's tokens.
@@ -51,42 +52,52 @@ def tok():
     return AutoTokenizer.from_pretrained(str(resolve_model(MODEL)))
 
 
+RETRACTION_FLAGS = ["--num-reserved-decode-tokens", "16", "--max-retractions", "4",
+                    "--init-new-token-ratio", "0.01", "--min-new-token-ratio", "0.01"]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """One stack for the module's P -> D tests: decode-0 with the tiny pool and queue keepalives,
+    and "decode-nocache", the same pool without the decode radix cache (one registry and P for both)."""
     with start_stack(tmp_path_factory.mktemp("tiny"), decode_pages=TINY_PAGES,
-                     decode_extra=["--num-reserved-decode-tokens", "16", "--max-retractions", "4",
-                                   "--init-new-token-ratio", "0.01", "--min-new-token-ratio", "0.01",
-                                   "--queue-keepalive", "1"]) as st:
+                     decode_extra=[*RETRACTION_FLAGS, "--queue-keepalive", "1"],
+                     more_decodes={"decode-nocache": ["--disable-decode-radix-cache", *RETRACTION_FLAGS]}) as st:
         yield st
 
 
-def _heavy_retraction_equals_colocated(stack, tok):
+HEAVY_MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def heavy(tok):
+    """The 8 prompts of the heavy-retraction tests and the co-located engine's greedy tokens
+    (computed once for both decode workers)."""
     prompts = [tok.encode(f"Entry {i}. " + TEXT)[:40] for i in range(8)]
-    max_tokens = 48
-    ref = colocated_generate(prompts, max_tokens)
-    drv = PDDriver(stack.prefill_addr, stack.decode_addr, timeout_s=80)
-    results = drv.generate_many(prompts, max_tokens=max_tokens, concurrency=len(prompts))
+    return prompts, colocated_generate(prompts, HEAVY_MAX_TOKENS)
+
+
+def _heavy_retraction_equals_colocated(stack, decode, heavy):
+    prompts, ref = heavy
+    drv = PDDriver(stack.prefill_addr, decode.address, timeout_s=80)
+    results = drv.generate_many(prompts, max_tokens=HEAVY_MAX_TOKENS, concurrency=len(prompts))
     drv.close()
     for r, want in zip(results, ref):
         assert r.ok, (r.decode_error, r.prefill_error)
         assert r.tokens == want
-    assert scrape(stack.decode.metrics_address, "halfmoon_decode_retractions_total") >= 2
-    assert scrape(stack.decode.metrics_address, "halfmoon_decode_resume_recomputed_tokens_total") > 0
+    assert scrape(decode.metrics_address, "halfmoon_decode_retractions_total") >= 2
+    assert scrape(decode.metrics_address, "halfmoon_decode_resume_recomputed_tokens_total") > 0
     assert_idle_accounting(stack)
 
 
-def test_greedy_under_heavy_retraction_equals_colocated(tiny, tok):
-    _heavy_retraction_equals_colocated(tiny, tok)
+def test_greedy_under_heavy_retraction_equals_colocated(tiny, heavy):
+    _heavy_retraction_equals_colocated(tiny, tiny.decode, heavy)
 
 
-def test_greedy_under_heavy_retraction_without_the_decode_radix_cache(tmp_path, tok):
+def test_greedy_under_heavy_retraction_without_the_decode_radix_cache(tiny, heavy):
     """No radix cache on D: a retracted request keeps nothing, and its resume recomputes prompt +
     generated tokens from scratch; the tokens must still be the co-located engine's."""
-    with start_stack(tmp_path, decode_pages=TINY_PAGES,
-                     decode_extra=["--disable-decode-radix-cache", "--num-reserved-decode-tokens", "16",
-                                   "--max-retractions", "4", "--init-new-token-ratio", "0.01",
-                                   "--min-new-token-ratio", "0.01"]) as st:
-        _heavy_retraction_equals_colocated(st, tok)
+    _heavy_retraction_equals_colocated(tiny, tiny.decodes["decode-nocache"], heavy)
 
 
 OTHER_TEXT = ("A lighthouse keeper wrote down the colour of the sea each morning, the birds she saw and "
