@@ -9,9 +9,16 @@ scheduler thread: a busy worker sets its thread count to ``cores // (1 + other b
 never below its own share (``--torch-threads``) nor above ``cores``; an idle one only says so.
 Call it from the thread that runs the forwards: OpenMP's thread count is a per-thread setting.
 
+Cores another process keeps busy are not idle, whatever the share file says: the router, a load
+generator, other tenants of the box. :class:`OtherCpu` measures the cores every other process used
+over the last ``window_s`` (``/proc/stat`` busy and steal time minus this process's CPU time), and
+a worker takes a thread beyond its share only for a core that others left at least ``min_idle``
+of idle (0: no such test, the share file alone decides): a 2-thread forward whose second thread loses its core waits at every barrier
+and runs slower than on one thread.
+
 So on 2 cores with one prefill worker P and one decode worker D (share 1 each), D decodes on both
-cores while P has nothing to prefill and on one while P prefills, and P prefills on both while D
-has nothing running. A worker that starts computing while the other still runs a forward on every
+cores while P has nothing to prefill and nothing else uses the second core, and on one while P
+prefills; P prefills on both while D has nothing running. A worker that starts computing while the other still runs a forward on every
 core overlaps it for the rest of that one forward (both then run with their share). Thread count
 changes only between forwards (``torch.set_num_threads``: about 0.5 us; greedy tokens and logits
 are the same on 1 and 2 threads for the default model, measured with the packed oneDNN linears).
@@ -27,6 +34,7 @@ import fcntl
 import mmap
 import os
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +44,43 @@ _HEADER = struct.Struct("<8sII")
 _RECORD = struct.Struct("<iIII")
 _BUSY = 4      # offsets inside a record
 _THREADS = 8
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds every core of the machine spent busy (user, nice, system, irq, softirq, steal)
+    since boot, or None where ``/proc/stat`` cannot be read."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()[1:9]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields)
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherCpu:
+    """Cores the rest of the machine used lately: the machine's busy CPU seconds minus this
+    process's, per wall second, over windows of at least ``window_s`` (the last full window's
+    figure is kept in between). ``machine_busy_s`` / ``own_cpu_s`` / ``clock`` are injectable for
+    tests; a machine without ``/proc/stat`` reads as 0 cores used."""
+
+    def __init__(self, window_s: float = 0.2, machine_busy_s: Callable[[], float | None] = _machine_busy_s,
+                 own_cpu_s: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self._machine, self._own, self._clock = machine_busy_s, own_cpu_s, clock
+        self._last = (clock(), machine_busy_s(), own_cpu_s())
+        self.cores_used = 0.0
+
+    def update(self) -> float:
+        """The latest figure (cores), after closing the window when ``window_s`` has passed."""
+        now = self._clock()
+        t0, m0, o0 = self._last
+        if now - t0 >= self.window_s:
+            m, o = self._machine(), self._own()
+            if m is not None and m0 is not None:
+                self.cores_used = max(0.0, ((m - m0) - (o - o0)) / (now - t0))
+            self._last = (now, m, o)
+        return self.cores_used
 
 
 class CpuShareError(ValueError):
@@ -75,7 +120,8 @@ class CpuShare:
     """
 
     def __init__(self, path: Path, mm: mmap.mmap, index: int, share: int,
-                 apply: Callable[[int], None], on_threads: Callable[[int], None] | None):
+                 apply: Callable[[int], None], on_threads: Callable[[int], None] | None,
+                 other_cpu: OtherCpu | None = None, min_idle: float = 0.75):
         self.path = path
         self._mm = mm
         self.index = index
@@ -84,6 +130,8 @@ class CpuShare:
         self._apply = apply
         self._on_threads = on_threads
         self._busy = False
+        self.other_cpu = other_cpu or OtherCpu()
+        self.min_idle = min_idle
         # the count this process was started with; applied on the first busy mark, from the
         # thread that runs the forwards (OpenMP's thread count is per calling thread)
         self.threads = self.share
@@ -113,8 +161,10 @@ class CpuShare:
 
     @classmethod
     def open(cls, path: str | os.PathLike, share: int, apply: Callable[[int], None] | None = None,
-             on_threads: Callable[[int], None] | None = None) -> "CpuShare":
-        """Claim a free record of the share file at ``path`` for this process.
+             on_threads: Callable[[int], None] | None = None, other_cpu: OtherCpu | None = None,
+             min_idle: float = 0.75) -> "CpuShare":
+        """Claim a free record of the share file at ``path`` for this process (``other_cpu``,
+        ``min_idle`` in [0, 1]: the idle-core test of the module docstring).
 
         Raises:
             CpuShareError: the file is missing or unreadable, not a share file, or every record
@@ -123,6 +173,8 @@ class CpuShare:
         p = Path(path)
         if share < 1:
             raise CpuShareError(f"{p}: share must be >= 1 thread, got {share}")
+        if not 0.0 <= min_idle <= 1.0:
+            raise CpuShareError(f"{p}: min_idle must be in [0, 1], got {min_idle}")
         try:
             fd = os.open(p, os.O_RDWR)
         except OSError as e:
@@ -143,7 +195,7 @@ class CpuShare:
             import torch
 
             apply = torch.set_num_threads
-        return cls(p, mm, index, share, apply, on_threads)
+        return cls(p, mm, index, share, apply, on_threads, other_cpu, min_idle)
 
     @staticmethod
     def _claim(path: Path, mm: mmap.mmap, records: int) -> int:
@@ -198,7 +250,11 @@ class CpuShare:
             self._busy = busy
             struct.pack_into("<I", self._mm, self._offset(self.index) + _BUSY, int(busy))
         if busy:
-            self._set_threads(max(self.share, min(self.cores, self.cores // (1 + self.others_busy()))))
+            want = min(self.cores, self.cores // (1 + self.others_busy()))
+            if want > self.share and self.min_idle > 0:  # only cores the rest of the machine leaves idle
+                idle = self.cores - self.other_cpu.update()
+                want = min(want, self.share + max(0, int(idle - self.share + 1 - self.min_idle)))
+            self._set_threads(max(self.share, want))
         return self.threads
 
     def _set_threads(self, n: int) -> None:

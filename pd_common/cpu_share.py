@@ -18,6 +18,21 @@ def add_cpu_share_argument(parser: argparse.ArgumentParser) -> None:
                         help="share file of the CPU workers on this machine (halfmoon up makes one): "
                              "while the other workers are idle this one computes on all cores, while "
                              "they are busy on its --torch-threads; needs --device cpu and --tp 1")
+    parser.add_argument("--cpu-share-min-idle", type=share_of_core, default=0.75, metavar="F",
+                        help="with --cpu-share: a thread beyond --torch-threads needs a core that every "
+                             "other process (router, clients, ...) left at least this share of idle over "
+                             "the last 0.2 s; 0 = the share file alone decides")
+
+
+def share_of_core(text: str) -> float:
+    """argparse type: a float in [0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return v
 
 
 def open_cpu_share(args, role: str) -> CpuShare | NoCpuShare:
@@ -37,9 +52,11 @@ def open_cpu_share(args, role: str) -> CpuShare | NoCpuShare:
     if args.torch_threads < 1:
         raise SystemExit(f"error: --cpu-share: needs --torch-threads >= 1, got {args.torch_threads}")
     try:
-        share = CpuShare.open(args.cpu_share, args.torch_threads, on_threads=gauge.set)
+        share = CpuShare.open(args.cpu_share, args.torch_threads, on_threads=gauge.set,
+                              min_idle=args.cpu_share_min_idle)
     except CpuShareError as e:
         raise SystemExit(f"error: --cpu-share: {e}") from None
-    log.info("cpu share: record %d of %d in %s; %d threads while others compute, up to %d cores",
-             share.index, share.records, share.path, share.share, share.cores)
+    log.info("cpu share: record %d of %d in %s; %d threads while others compute, up to %d cores "
+             "(idle ones: --cpu-share-min-idle %g)", share.index, share.records, share.path, share.share,
+             share.cores, args.cpu_share_min_idle)
     return share

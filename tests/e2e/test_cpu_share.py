@@ -22,7 +22,9 @@ from tests.e2e.conftest import greedy, reference_ids, stack_fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 
-stack = stack_fixture(prefill=1, decode=1)
+# the share file alone decides (no idle-core test): the threads must move whatever else loads the box
+_FILE_ONLY = ["--cpu-share-min-idle", "0"]
+stack = stack_fixture(prefill=1, decode=1, role_args={"prefill": _FILE_ONLY, "decode": _FILE_ONLY})
 
 STORY = ("Once upon a time, in a small village by the sea, there lived an old fisherman who every morning "
          "mended his nets and told stories to the children of the harbour.")

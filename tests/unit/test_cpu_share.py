@@ -5,13 +5,15 @@ of its own (the count is per calling thread)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
 
-from engine.cpu_share import CpuShare, CpuShareError
+from engine.cpu_share import CpuShare, CpuShareError, OtherCpu
 
 
 class Threads:
@@ -24,9 +26,19 @@ class Threads:
         self.calls.append(n)
 
 
-def _open(path, share=1):
+class FixedCpu:
+    """Other processes using ``cores_used`` cores."""
+
+    def __init__(self, cores_used: float):
+        self.cores_used = cores_used
+
+    def update(self) -> float:
+        return self.cores_used
+
+
+def _open(path, share=1, other=0.0, min_idle=0.75):
     t = Threads()
-    return CpuShare.open(path, share, apply=t), t
+    return CpuShare.open(path, share, apply=t, other_cpu=FixedCpu(other), min_idle=min_idle), t
 
 
 def test_busy_worker_takes_idle_cores_and_gives_them_back(tmp_path):
@@ -47,8 +59,39 @@ def test_busy_worker_takes_idle_cores_and_gives_them_back(tmp_path):
     assert cores == 2 and [(r.busy, r.threads, r.alive) for r in recs] == [(False, 2, True), (True, 2, True)]
     gauge = []
     q = CpuShare.open(CpuShare.create(tmp_path / "three", cores=4, records=3), 1, apply=Threads(),
-                      on_threads=gauge.append)
+                      on_threads=gauge.append, min_idle=0)
     assert q.mark(True) == 4 and gauge == [1, 4]
+
+
+@pytest.mark.parametrize("cores, others, min_idle, want", [
+    (2, 0.1, 0.75, 2),    # the second core is idle
+    (2, 0.3, 0.75, 1),    # the router or a client keeps part of it busy: stay on the share
+    (2, 0.3, 0.5, 2),
+    (2, 1.5, 0.0, 2),     # 0: the share file alone decides
+    (8, 2.2, 0.75, 6),    # 5.8 cores idle: 6 threads (the last core 0.8 idle)
+    (8, 9.0, 0.75, 1),    # busier than the machine (steal): never below the share
+])
+def test_threads_beyond_the_share_need_cores_others_leave_idle(tmp_path, cores, others, min_idle, want):
+    path = CpuShare.create(tmp_path / "share", cores=cores, records=2)
+    d, _ = _open(path, other=others, min_idle=min_idle)
+    assert d.mark(True) == want
+
+
+def test_other_cpu_is_the_machine_minus_this_process():
+    clock, machine, own = [0.0], [100.0], [10.0]
+    m = OtherCpu(window_s=0.2, machine_busy_s=lambda: machine[0], own_cpu_s=lambda: own[0], clock=lambda: clock[0])
+    clock[0], machine[0], own[0] = 0.1, 100.2, 10.1
+    assert m.update() == 0.0                      # window not over: last figure
+    clock[0], machine[0], own[0] = 0.5, 100.8, 10.4
+    assert m.update() == pytest.approx((0.8 - 0.4) / 0.5)
+    clock[0], machine[0], own[0] = 1.0, 101.0, 10.9
+    assert m.update() == 0.0                      # clamped: our own time counted on the machine later
+    unreadable = OtherCpu(machine_busy_s=lambda: None, own_cpu_s=lambda: 0.0)
+    time.sleep(0.25)
+    assert unreadable.update() == 0.0
+    real = OtherCpu(window_s=0.05)
+    time.sleep(0.06)
+    assert 0.0 <= real.update() <= (os.cpu_count() or 1) + 0.5
 
 
 def test_share_is_a_floor_and_cores_a_ceiling(tmp_path):
@@ -106,6 +149,8 @@ def test_bad_arguments():
         CpuShare.create("/nonexistent/x", cores=0, records=1)
     with pytest.raises(CpuShareError, match="share must be >= 1"):
         CpuShare.open("/nonexistent/x", 0)
+    with pytest.raises(CpuShareError, match=r"min_idle must be in \[0, 1\]"):
+        CpuShare.open("/nonexistent/x", 1, min_idle=1.5)
 
 
 def test_torch_threads_change_on_the_calling_thread(tmp_path):
@@ -114,7 +159,7 @@ def test_torch_threads_change_on_the_calling_thread(tmp_path):
     seen = {}
 
     def forward_thread():
-        share = CpuShare.open(path, 1)
+        share = CpuShare.open(path, 1, min_idle=0)
         other = CpuShare.open(path, 1, apply=Threads())
         share.mark(True)
         seen["alone"] = torch.get_num_threads()
