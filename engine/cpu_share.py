@@ -13,13 +13,13 @@ Cores another process keeps busy are not idle, whatever the share file says: the
 generator, other tenants of the box. :class:`OtherCpu` measures the cores every other process used
 over the last ``window_s`` (``/proc/stat`` busy and steal time minus this process's CPU time), and
 a worker takes a thread beyond its share only for a core that others left at least ``min_idle``
-of idle (0: no such test, the share file alone decides): a 2-thread forward whose second thread loses its core waits at every barrier
-and runs slower than on one thread.
+of idle (0: no such test, the share file alone decides): a 2-thread forward whose second thread
+loses its core waits at every barrier and runs slower than on one thread.
 
 So on 2 cores with one prefill worker P and one decode worker D (share 1 each), D decodes on both
 cores while P has nothing to prefill and nothing else uses the second core, and on one while P
-prefills; P prefills on both while D has nothing running. A worker that starts computing while the other still runs a forward on every
-core overlaps it for the rest of that one forward (both then run with their share). Thread count
+prefills; P prefills on both while D has nothing running. A worker that starts computing while
+the other still runs a forward on every core overlaps it for the rest of that one forward. Thread count
 changes only between forwards (``torch.set_num_threads``: about 0.5 us; greedy tokens and logits
 are the same on 1 and 2 threads for the default model, measured with the packed oneDNN linears).
 
