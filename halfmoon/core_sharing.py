@@ -1,5 +1,5 @@
-"""How ``halfmoon up`` lets its CPU workers share the machine's cores (``up --cpu-share on``, the
-default; docs/architecture.md, CPU core sharing).
+"""How ``halfmoon up`` lets its CPU workers share the machine's cores (``up --cpu-share on``; off by
+default, docs/architecture.md, CPU core sharing, says why).
 
 * The share file (engine/cpu_share.py): made in the log dir and passed to every worker as
   ``--cpu-share PATH`` when there are two or more workers, all on the CPU with one rank each, and

@@ -1,4 +1,4 @@
-"""CPU core sharing end to end (``halfmoon up``'s default ``--cpu-share on``; engine/cpu_share.py):
+"""CPU core sharing end to end (``halfmoon up --cpu-share on``; engine/cpu_share.py):
 on one machine, the decode worker decodes on every core while the prefill worker is idle, gives
 cores back while a prefill runs and takes them again after; the prefill worker prefills on every
 core while decode is idle. Watched in the stack's share file (every record, polled each
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # the share file alone decides (no idle-core test): the threads must move whatever else loads the box
 _FILE_ONLY = ["--cpu-share-min-idle", "0"]
-stack = stack_fixture(prefill=1, decode=1, role_args={"prefill": _FILE_ONLY, "decode": _FILE_ONLY})
+stack = stack_fixture(prefill=1, decode=1, cpu_share=True, role_args={"prefill": _FILE_ONLY, "decode": _FILE_ONLY})
 
 STORY = ("Once upon a time, in a small village by the sea, there lived an old fisherman who every morning "
          "mended his nets and told stories to the children of the harbour.")

@@ -13,13 +13,13 @@ from halfmoon.worker_plan import plan_workers
 
 
 @pytest.mark.parametrize("kw, cores, shared", [
-    (dict(), 2, True),                                   # 1P1D on 2 cores: one thread each, shared
-    (dict(prefill=2, decode=2), 8, True),
-    (dict(cpu_share=False), 2, False),
-    (dict(decode_device="cuda:0"), 2, False),
-    (dict(decode_tp=2), 4, False),
-    (dict(torch_threads=2), 2, False),                   # every worker already has every core
-    (dict(), 1, False),                                  # one core: nothing to share
+    (dict(cpu_share=True), 2, True),                     # 1P1D on 2 cores: one thread each, shared
+    (dict(cpu_share=True, prefill=2, decode=2), 8, True),
+    (dict(), 2, False),                                  # off by default
+    (dict(cpu_share=True, decode_device="cuda:0"), 2, False),
+    (dict(cpu_share=True, decode_tp=2), 4, False),
+    (dict(cpu_share=True, torch_threads=2), 2, False),   # every worker already has every core
+    (dict(cpu_share=True), 1, False),                    # one core: nothing to share
 ])
 def test_share_file_only_for_co_located_single_rank_cpu_workers(tmp_path, kw, cores, shared):
     cfg = StackConfig(**kw)
@@ -34,7 +34,7 @@ def test_share_file_only_for_co_located_single_rank_cpu_workers(tmp_path, kw, co
 def test_worker_env_short_spin_on_cpu_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    cfg = StackConfig(decode_device="cuda:0")
+    cfg = StackConfig(cpu_share=True, decode_device="cuda:0")
     p, d = plan_workers(cfg, 2)
     assert worker_env(cfg, p) == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GOMP_SPINCOUNT": SPIN_COUNT}
     assert "GOMP_SPINCOUNT" not in worker_env(cfg, d)  # a GPU worker
@@ -49,8 +49,8 @@ def test_up_flag():
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
-    assert config_from_args(ap.parse_args([])).cpu_share is True
-    assert config_from_args(ap.parse_args(["--cpu-share", "off"])).cpu_share is False
+    assert config_from_args(ap.parse_args([])).cpu_share is False
+    assert config_from_args(ap.parse_args(["--cpu-share", "on"])).cpu_share is True
     with pytest.raises(SystemExit):
         ap.parse_args(["--cpu-share", "maybe"])
 
