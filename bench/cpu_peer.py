@@ -2,6 +2,12 @@
 weights, the same ``openai`` streaming client (``halfmoon bench serve --target openai``), interleaved.
 
     .venv/bin/python -m bench.cpu_peer [--vllm-python /opt/vllm-cpu/bin/python] [--reps 3] [--json out.json]
+    .venv/bin/python -m bench.cpu_peer --variant "off=--cpu-share off" --variant "on=--cpu-share on"
+
+``--variant NAME=ARGS`` (repeatable) runs several ``halfmoon up`` stacks instead of one, each with
+its extra flags, interleaved like the servers (halfmoon only unless ``--vllm-python``); ``x_<name>``
+= that variant's output tokens/s over the first variant's, per repetition, median. Every run
+records the 1-minute load average before it (the box may be shared).
 
 Workloads (issue 22's table): ``random`` ~193-token distinct prompts and ``shared-prefix`` one
 600-token prefix + 40-token questions; 64 output tokens, EOS ignored; concurrency 1 and 8; 32
@@ -106,6 +112,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     ap.add_argument("--halfmoon-args", default="", help="extra `halfmoon up` flags, one string")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="a halfmoon stack NAME with extra `halfmoon up` flags ARGS (repeatable; default: "
+                         "one stack named halfmoon)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--num-requests", type=int, default=32)
@@ -113,6 +122,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    bad_variants = [v for v in args.variant if "=" not in v or not v.split("=", 1)[0]
+                    or v.split("=", 1)[0] == "vllm-cpu"]
+    if bad_variants or len({v.split("=", 1)[0] for v in args.variant}) != len(args.variant):
+        ap.error(f"--variant: NAME=ARGS with distinct names other than vllm-cpu, got {args.variant}")
     wls = args.workloads.split(",")
     bad = [w for w in wls if w not in WORKLOADS]
     if bad:
@@ -124,9 +137,14 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="cpu_peer_"))
     procs = []
     try:
-        hm, hm_url, hm_key = start_halfmoon(args.model, args.halfmoon_args.split(), tmp)
-        procs.append((hm, signal.SIGINT))
-        servers = {"halfmoon": (hm_url, hm_key)}
+        variants = dict(v.split("=", 1) for v in args.variant) if args.variant else {"halfmoon": args.halfmoon_args}
+        servers = {}
+        for name, extra in variants.items():
+            vtmp = tmp / name
+            vtmp.mkdir()
+            hm, hm_url, hm_key = start_halfmoon(args.model, [*args.halfmoon_args.split(), *extra.split()], vtmp)
+            procs.append((hm, signal.SIGINT))
+            servers[name] = (hm_url, hm_key)
         if args.vllm_python:
             vp, v_url = start_vllm(args.vllm_python, hf_dir, args.model, tmp)
             procs.append((vp, signal.SIGTERM))
@@ -139,10 +157,12 @@ def main(argv=None) -> int:
                 for c in concs:
                     for n in (names if rep % 2 == 0 else names[::-1]):
                         url, key = servers[n]
+                        load = os.getloadavg()[0]
                         r = run_serve(url, key, args.model, w, c, args, seed=100 + rep, out=tmp / f"{n}_{w}_{c}_{rep}.json")
+                        r["load_avg_1m"] = round(load, 2)
                         runs.setdefault((w, c, n), []).append(r)
                         print(f"rep {rep} {w} c={c} {n}: {r['out_tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
-                              f"TPOT p50 {r['tpot_p50_ms']:.1f} ms", file=sys.stderr, flush=True)
+                              f"TPOT p50 {r['tpot_p50_ms']:.1f} ms, load {load:.2f}", file=sys.stderr, flush=True)
         table = []
         for w in wls:
             for c in concs:
@@ -152,11 +172,17 @@ def main(argv=None) -> int:
                     for k in ("out_tok_s", "ttft_p50_ms", "tpot_p50_ms"):
                         row[f"{n}_{k}"] = round(statistics.median(r[k] for r in rs), 1)
                     row[f"{n}_errors"] = sum(r["errors"] for r in rs)
+                    row[f"{n}_load_avg_1m"] = [r["load_avg_1m"] for r in rs]
+                first = runs[(w, c, names[0])]
+                for n in list(variants)[1:]:  # same repetition, so the same load on both
+                    row[f"x_{n}"] = round(statistics.median(
+                        b["out_tok_s"] / a["out_tok_s"] for a, b in zip(first, runs[(w, c, n)])), 2)
                 if "vllm-cpu" in servers:
-                    row["ratio"] = round(row["halfmoon_out_tok_s"] / row["vllm-cpu_out_tok_s"], 2)
+                    row["ratio"] = round(row[f"{names[0]}_out_tok_s"] / row["vllm-cpu_out_tok_s"], 2)
                 table.append(row)
         out = dict(bench="cpu_peer", model=args.model, servers=names, reps=args.reps, num_requests=args.num_requests,
-                   output_len=args.output_len, halfmoon_args=args.halfmoon_args, cpus=os.cpu_count(),
+                   output_len=args.output_len, halfmoon_args=args.halfmoon_args, variants=variants,
+                   cpus=os.cpu_count(),
                    load_avg_before=load_before, load_avg_after=os.getloadavg(), table=table,
                    runs=[dict(workload=w, concurrency=c, server=n, reps=v) for (w, c, n), v in runs.items()])
     finally:

@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
                             overlap_schedule=overlap, decode_reserve=args.decode_reserve,
                             reserved_decode_tokens=args.num_reserved_decode_tokens,
                             max_retractions=args.max_retractions,
-                            new_token_ratio=(args.init_new_token_ratio, args.min_new_token_ratio))
+                            new_token_ratio=(args.init_new_token_ratio, args.min_new_token_ratio),
+                            cpu_share=w.cpu_share)
     holder["s"] = sched
     w.attach_kv_events(sched)
     sched.start()

@@ -43,6 +43,7 @@ from decode_svc.page_checksums import PageChecksums
 from decode_svc.prealloc import PreallocQueue
 from decode_svc.quarantine import FencePolicy, Quarantine
 from decode_svc.running import RunningBatch
+from engine.cpu_share import NoCpuShare
 from engine.kvcache.cache_manager import CacheManager
 from engine.kvcache.prefix_cache import NullPrefixCache
 from engine.kvcache.radix_cache import RadixCache
@@ -84,6 +85,8 @@ class DecodeScheduler(SchedulerLoop):
             is pinned. new_token_ratio: (initial, floor) of the admission projection's ratio.
         resume_chunk_tokens: most tokens a resume recomputes per iteration (default: the runner's
             ``--chunked-prefill-size``).
+        cpu_share: cores shared with co-located CPU workers (``engine.cpu_share``): busy while
+            requests run, resume or prefill locally.
     """
 
     def __init__(self, runner: ModelRunner, transfer: KVReceiver, net: PrefillNet, *, segment_name: str,
@@ -93,7 +96,7 @@ class DecodeScheduler(SchedulerLoop):
                  overlap_schedule: bool = False, decode_reserve: str = "ondemand",
                  reserved_decode_tokens: int = 128, max_retractions: int = 3,
                  new_token_ratio: tuple[float, float] = (INIT_RATIO, FLOOR_RATIO),
-                 resume_chunk_tokens: int | None = None):
+                 resume_chunk_tokens: int | None = None, cpu_share=NoCpuShare()):
         super().__init__("decode-scheduler", runner.device, log)
         self.runner = runner
         self.transfer = transfer
@@ -103,6 +106,7 @@ class DecodeScheduler(SchedulerLoop):
         cache = NullPrefixCache() if disable_radix_cache else RadixCache(runner.page_size, alloc,
                                                                          enable_events=True)
         self.event_cache = cache
+        self.cpu_share = cpu_share
         self.page_sums = PageChecksums(runner.kv_pool) if checksums and cache.enabled else None
         self.kv = CacheManager(alloc, runner.req_to_token_pool, cache, on_evict=M.DECODE_EVICTED_PAGES.inc,
                                on_cached=self.page_sums and self.page_sums.record)
@@ -172,8 +176,11 @@ class DecodeScheduler(SchedulerLoop):
                 log.exception("notice pump")
                 time.sleep(0.1)
 
+    def _computing(self) -> bool:
+        return bool(self.running.busy or self.memory.resuming or self.local.computing)
+
     def idle_wait(self) -> float:
-        if self.running.busy or self.memory.resuming or self.local.computing:
+        if self._computing():
             return 0.0
         return 0.01 if len(self.prealloc) or len(self.memory) or len(self.local) else 0.1
 
@@ -198,6 +205,7 @@ class DecodeScheduler(SchedulerLoop):
                 self.kv_wait.on_peer_gone(msg)
 
     def iterate(self) -> None:
+        self.cpu_share.mark(self._computing())
         now = time.monotonic()
         self.kv_wait.expire(now)
         self.quarantine.expire(now)
@@ -208,6 +216,7 @@ class DecodeScheduler(SchedulerLoop):
         self.local.step(not len(self.memory), self.running.settle, self.running.start)
         self.running.join()
         self.running.step()
+        self.cpu_share.mark(self._computing())  # idle at once: P takes the cores back
         self._gauges()
 
     def on_iteration_error(self) -> None:

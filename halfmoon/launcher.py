@@ -97,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", default="memory", choices=["memory", "etcd"],
                    help="etcd: start a local etcd (Debian etcd-server) on loopback and keep the "
                         "registry's records there")
+    p.add_argument("--cpu-share", default="off", choices=["on", "off"],
+                   help="on: CPU workers share the cores (a busy worker computes on those the idle ones "
+                        "leave; short OpenMP spin, halfmoon.core_sharing); off: each keeps its "
+                        "--torch-threads, OpenMP's default spin (the default: on measured 0.87x tok/s at "
+                        "c=8 on a 2-core box, bench/results/cpu_share_cpu.json)")
     p.add_argument("--log-dir", default="", help="child logs (default: a new temp dir)")
     p.add_argument("--endpoints-file", default="", help="also write the endpoints JSON here")
     p.add_argument("--ready-timeout", type=float, default=300.0,
@@ -154,7 +159,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                        log_dir=args.log_dir, ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
                        prefill_device=args.prefill_device, decode_device=args.decode_device, dtype=args.dtype,
                        load_format=args.load_format, registry=args.registry, max_context=args.max_context,
-                       role_args=extra,
+                       role_args=extra, cpu_share=args.cpu_share == "on",
                        router_args=role_args("router", args.router_args))
 
 

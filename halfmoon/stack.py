@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 
 from halfmoon.child_process import Proc
+from halfmoon.core_sharing import share_file, worker_env
 from halfmoon.stack_config import StackConfig
 from halfmoon.worker_plan import context_args, plan_workers, worker_argv
 from halfmoon.stack_credentials import AuthMode, StackCredentials, prepare
@@ -97,12 +98,14 @@ class Stack:
         self._wait([reg], deadline)
         registry = reg.match.group(1)
         workers = []
+        share = share_file(c, plan, self.log_dir)
         for w in plan:
             wid, role = w.worker_id, w.role
             argv = worker_argv(c, w, (self._port(10 + 2 * w.k), self._port(11 + 2 * w.k)), registry,
                                creds.process_args(wid))
-            p = Proc(wid, argv, self.log_dir / f"{wid}.log", _WORKER_RE,
-                     extra_env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+            if share is not None:
+                argv += ["--cpu-share", str(share)]
+            p = Proc(wid, argv, self.log_dir / f"{wid}.log", _WORKER_RE, extra_env=worker_env(c, w))
             self.procs.append(p)
             workers.append((role, p))
             p.start()
@@ -120,7 +123,7 @@ class Stack:
             "router": {"grpc": rg, "http": rh, "metrics": rm, "pid": router.popen.pid},
             "registry": {"grpc": registry, "metrics": f"{c.host}:{reg.match.group(2)}", "pid": reg.popen.pid},
             "prefill": [], "decode": [], "model": c.model, "log_dir": str(self.log_dir),
-            "torch_threads": threads, **creds.endpoints_fields(),
+            "torch_threads": threads, "cpu_share": str(share or ""), **creds.endpoints_fields(),
         }
         for role, p in workers:
             wid, addr, metrics = p.match.groups()

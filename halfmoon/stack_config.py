@@ -56,6 +56,7 @@ class StackConfig:
     tls_dir: str = ""               # tls: certificates from `halfmoon certs` (default: made in log_dir)
     registry: str = "memory"        # "etcd": the registry keeps records in a local etcd started here
     max_context: int | None = None  # tokens per request every worker and the router serve (None: the model's)
+    cpu_share: bool = False         # CPU workers share the cores (halfmoon.core_sharing; measured slower on 2 cores)
 
     def device_of(self, role: str, idx: int) -> str:
         """Device of worker ``idx`` of ``role`` ("prefill" | "decode")."""

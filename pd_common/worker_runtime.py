@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2
 
 from engine.device import check_device, device_spec
 from engine.engine_args import int_at_least, non_negative_float
+from pd_common.cpu_share import add_cpu_share_argument, open_cpu_share
 from security import ClusterCredentials, CredentialsError
 from security.flags import add_cluster_auth_args
 from telemetry import metrics as M
@@ -121,6 +122,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--tp-timeout", type=non_negative_float, default=30.0,
                         help="seconds any tensor-parallel collective may take before the worker stops")
     add_cluster_auth_args(parser)
+    add_cpu_share_argument(parser)
 
 
 def load_credentials(args) -> ClusterCredentials:
@@ -217,6 +219,7 @@ class Worker:
             raise SystemExit(f"error: {why}")
         check_device(args.device)
         check_max_context(args)
+        self.cpu_share = open_cpu_share(args, role)  # a bad --cpu-share stops us before the model loads
         bind_cuda_device(args.device)  # before the model loads and CUDA graphs are captured
         self.args = args
         self.role = role
@@ -379,6 +382,7 @@ class Worker:
             stop_service()
         if self.transfer is not None:
             self.transfer.close()
+        self.cpu_share.close()
         M.stop_metrics_servers()
 
 

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
                              transfer_log=args.transfer_log, checksums=args.kv_checksums,
                              disable_radix_cache=args.disable_radix_cache,
                              lease_valid_for=w.registry.lease_valid_for,
-                             lease_fence_margin_s=args.lease_fence_margin,
+                             lease_fence_margin_s=args.lease_fence_margin, cpu_share=w.cpu_share,
                              rank_writer=RankWriter(transfer, runner.tp, w.rank_regions,
                                                     PageShape.from_layout(w.layout)))
     w.attach_kv_events(sched)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from engine.cpu_share import NoCpuShare
 from engine.kvcache.cache_manager import CacheManager
 from engine.kvcache.paging import pages_for
 from engine.kvcache.prefix_cache import NullPrefixCache
@@ -59,12 +60,14 @@ class PrefillScheduler(SchedulerLoop):
             starts while it is below the margin (``DeltaSender``).
         rank_writer: ``prefill_svc.rank_writer.RankWriter`` for tensor-parallel pairs (None: single
             rank on both sides only).
+        cpu_share: cores shared with co-located CPU workers (``engine.cpu_share``): busy while a
+            job is prefilling.
     """
 
     def __init__(self, runner: ModelRunner, transfer: KVSender, *, destination_timeout_s: float = 60.0,
                  transfer_log: str | None = None, checksums: bool = False,
                  disable_radix_cache: bool = False, lease_valid_for=None,
-                 lease_fence_margin_s: float = 0.0, rank_writer=None):
+                 lease_fence_margin_s: float = 0.0, rank_writer=None, cpu_share=NoCpuShare()):
         super().__init__("prefill-scheduler", runner.device, log)
         self.runner = runner
         self.transfer = transfer
@@ -74,6 +77,7 @@ class PrefillScheduler(SchedulerLoop):
         self.cache = NullPrefixCache() if disable_radix_cache else RadixCache(self.ps, self.alloc,
                                                                               enable_events=True)
         self.event_cache = self.cache
+        self.cpu_share = cpu_share
         self.book = DestinationBook(destination_timeout_s)
         # the same description of this pool that the worker publishes
         self.geometry = PoolGeometry.from_layout(published_layout(runner, runner.config.model))
@@ -158,7 +162,9 @@ class PrefillScheduler(SchedulerLoop):
             self.fail(refused, ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                             f"prompt of {n} tokens does not fit the KV pool"))
         self.sender.claim()
+        self.cpu_share.mark(bool(self.prefill.prefilling))
         self.prefill.step()
+        self.cpu_share.mark(bool(self.prefill.prefilling))  # idle at once: D takes the cores back
         self.sender.send_ready()
         self._gauges()
 

@@ -86,6 +86,10 @@ DECODE_FINISHED_TOKEN_SHARE = Histogram(
     "halfmoon_decode_finished_token_share",
     "Per decode request that ended by itself: generated / min(max_tokens, projection clip).",
     buckets=SHARE_BUCKETS, registry=_R)
+DECODE_TORCH_THREADS = Gauge(
+    "halfmoon_decode_torch_threads",
+    "Torch intra-op threads the decode worker's forwards run with now (--cpu-share moves it).",
+    registry=_R)
 
 # this group's metrics, in exposition order (telemetry.exposition.METRICS_BY_GROUP['decode'])
 METRICS = (
@@ -94,7 +98,7 @@ METRICS = (
     DECODE_KV_CHECKSUM_MISMATCHES, DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES,
     DECODE_RETRACTIONS, DECODE_RESERVE_MISSES, DECODE_RESUME_RECOMPUTED_TOKENS, DECODE_LOCAL_PREFILLS,
     DECODE_LOCAL_PREFILL_TOKENS, DECODE_PROJECTED_PAGES, DECODE_NEW_TOKEN_RATIO,
-    DECODE_FINISHED_TOKEN_SHARE, DECODE_STEP_SECONDS, DECODE_STEP_REQUESTS)
+    DECODE_FINISHED_TOKEN_SHARE, DECODE_STEP_SECONDS, DECODE_STEP_REQUESTS, DECODE_TORCH_THREADS)
 
 # Known label values are created up front, so their series exist (at 0) from the first scrape:
 # rate() and alerts then work before the first event.

@@ -60,6 +60,8 @@ prefill (prefill_svc; work done by prefill workers, retried attempts included)
   - ``halfmoon_prefill_batch_tokens`` histogram: extend tokens per prefill forward batch.
   - ``halfmoon_prefill_compute_seconds`` histogram: wall seconds of one prefill forward batch
     (``_sum`` is total compute time, so ``rate(_sum)`` is the busy fraction).
+  - ``halfmoon_prefill_torch_threads`` gauge: torch intra-op threads P's forwards run with now
+    (``--cpu-share``: all cores while the co-located decode worker is idle, its share otherwise).
 transfer (transfer_svc engine, counted on the **sender**, i.e. in the prefill process; label-free)
   - ``halfmoon_transfer_pages_total`` counter: KV pages written to decode peers.
   - ``halfmoon_transfer_bytes_total`` counter: bytes written (GB/s = ``rate(...)/1e9`` in PromQL).
@@ -117,6 +119,8 @@ decode (decode_svc)
     streaming, the GIL).
   - ``halfmoon_decode_step_requests_total`` counter: running requests summed over those steps;
     ``rate(step_seconds{part="host"}) / rate(step_requests)`` is the host cost per request-step.
+  - ``halfmoon_decode_torch_threads`` gauge: torch intra-op threads D's forwards run with now
+    (``--cpu-share``: all cores while the co-located prefill worker is idle, its share otherwise).
 registry (transfer_svc registry service, ``halfmoon serve-transfer``)
   - ``halfmoon_registry_workers`` gauge {role}: live registered workers; role ∈ {prefill, decode}.
   - ``halfmoon_registry_expired_leases_total`` counter: segments dropped because heartbeats stopped.
@@ -147,7 +151,7 @@ from telemetry.router_metrics import (  # noqa: F401
     ROUTER_COMPLETION_TOKENS, ROUTER_AUTH_FAILURES)
 from telemetry.prefill_metrics import (  # noqa: F401
     PREFILL_QUEUE, PREFILL_PROMPT_TOKENS, PREFILL_CACHED_TOKENS, PREFILL_BATCH_SIZE,
-    PREFILL_BATCH_TOKENS, PREFILL_COMPUTE_SECONDS)
+    PREFILL_BATCH_TOKENS, PREFILL_COMPUTE_SECONDS, PREFILL_TORCH_THREADS)
 from telemetry.transfer_metrics import (  # noqa: F401
     TRANSFER_PAGES, TRANSFER_RANK_PAGES, TRANSFER_BYTES, TRANSFER_BATCH_SECONDS, TRANSFER_FAILURES)
 from telemetry.decode_metrics import (  # noqa: F401
@@ -156,7 +160,8 @@ from telemetry.decode_metrics import (  # noqa: F401
     DECODE_KV_CHECKSUM_MISMATCHES, DECODE_KV_WAIT_SECONDS, DECODE_QUARANTINE_RELEASES,
     DECODE_RETRACTIONS, DECODE_RESERVE_MISSES, DECODE_RESUME_RECOMPUTED_TOKENS,
     DECODE_LOCAL_PREFILLS, DECODE_LOCAL_PREFILL_TOKENS, DECODE_PROJECTED_PAGES,
-    DECODE_NEW_TOKEN_RATIO, DECODE_STEP_SECONDS, DECODE_STEP_REQUESTS, DECODE_FINISHED_TOKEN_SHARE)
+    DECODE_NEW_TOKEN_RATIO, DECODE_STEP_SECONDS, DECODE_STEP_REQUESTS, DECODE_FINISHED_TOKEN_SHARE,
+    DECODE_TORCH_THREADS)
 from telemetry.registry_metrics import (  # noqa: F401
     REGISTRY_WORKERS, REGISTRY_EXPIRED_LEASES, REGISTRY_LOOKUPS)
 from telemetry.exposition import (  # noqa: F401

@@ -32,11 +32,15 @@ PREFILL_BATCH_TOKENS = Histogram(
 PREFILL_COMPUTE_SECONDS = Histogram(
     "halfmoon_prefill_compute_seconds", "Wall seconds of one prefill forward batch.",
     buckets=COMPUTE_BUCKETS, registry=_R)
+PREFILL_TORCH_THREADS = Gauge(
+    "halfmoon_prefill_torch_threads",
+    "Torch intra-op threads the prefill worker's forwards run with now (--cpu-share moves it).",
+    registry=_R)
 
 # this group's metrics, in exposition order (telemetry.exposition.METRICS_BY_GROUP['prefill'])
 METRICS = (
     PREFILL_QUEUE, PREFILL_PROMPT_TOKENS, PREFILL_CACHED_TOKENS, PREFILL_BATCH_SIZE,
-    PREFILL_BATCH_TOKENS, PREFILL_COMPUTE_SECONDS)
+    PREFILL_BATCH_TOKENS, PREFILL_COMPUTE_SECONDS, PREFILL_TORCH_THREADS)
 
 # Known label values are created up front, so their series exist (at 0) from the first scrape:
 # rate() and alerts then work before the first event.

@@ -173,6 +173,11 @@ ROWS = [
         ("Registry lookups and expired leases", "timeseries", "short", "Per second.",
          [("sum by (result) (rate(halfmoon_registry_lookups_total[1m]))", "lookup {{result}}"),
           ("sum(rate(halfmoon_registry_expired_leases_total[1m]))", "expired leases")]),
+        ("Torch threads per worker (CPU core sharing)", "timeseries", "short",
+         "Torch intra-op threads each worker's forwards run with now; with --cpu-share a busy worker "
+         "takes the cores idle ones leave.",
+         [("max by (instance) (halfmoon_prefill_torch_threads)", "prefill {{instance}}"),
+          ("max by (instance) (halfmoon_decode_torch_threads)", "decode {{instance}}")]),
     ]),
 ]
 
