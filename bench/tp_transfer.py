@@ -37,8 +37,8 @@ from bench.transfer_peers import ROOT
 from bench.transfer_worker import Proc
 from bench.tp_transfer_worker import ITEM, SHAPE
 from engine.distributed.shard import even_split
-from pd_common.head_slices import plan_rank_writes
-from transfer_svc.rank_regions import RankRegion
+from pd_common import plan_rank_writes
+from transfer_svc import RankRegion
 
 HEADS, RUN = 3, 8
 PAGE_BYTES = SHAPE.stride(HEADS)

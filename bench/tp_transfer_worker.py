@@ -22,8 +22,8 @@ import time
 import torch
 
 from bench.transfer_worker import _reply, private_stdout
-from pd_common.head_slices import PageShape, RankWrite, slice_descriptors
-from transfer_svc.rank_regions import RankRegion
+from pd_common import PageShape, RankWrite, slice_descriptors
+from transfer_svc import RankRegion
 
 LAYERS, HEADS, HEAD_DIM, PAGE, ITEM = 30, 3, 64, 16, 4  # SmolLM2-135M, page 16, 4-byte elements
 SHAPE = PageShape(LAYERS, PAGE, HEAD_DIM, ITEM)
@@ -59,7 +59,8 @@ class Rank:
                 self.pool[s:s + 64] = expected(torch.arange(s, min(s + 64, pool_pages)), lo, hi)
         self.base = self.buf.data_ptr()
         self.stage_base = self.stage.data_ptr()
-        self.eng = TransferEngine(f"tp-{side}{rank}-{os.getpid()}", transports="sm")
+        # strided 512-page batches take longer than the engine's default 10 s deadline on a busy box
+        self.eng = TransferEngine(f"tp-{side}{rank}-{os.getpid()}", transports="sm", timeout_s=300)
         self.eng.register_memory(self.base, self.buf.numel() * ITEM)
         self.segs: dict[int, object] = {}
 
