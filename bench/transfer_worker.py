@@ -77,12 +77,13 @@ def run_initiator(engine: str, target: dict) -> None:
 
 
 class Proc:
-    """A worker process (``python -m bench.transfer --worker ...``) and its command pipe."""
+    """A worker process (``python -m <module> <args>``, by default ``bench.transfer --worker ...``)
+    and its command pipe."""
 
-    def __init__(self, args: list[str], env: dict[str, str]):
+    def __init__(self, args: list[str], env: dict[str, str], module: str = "bench.transfer"):
         full_env = dict(os.environ, OMP_NUM_THREADS="1", **env)
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-        self.p = subprocess.Popen([sys.executable, "-m", "bench.transfer", *args], cwd=ROOT,
+        self.p = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                   env=full_env)
 
