@@ -8,6 +8,14 @@
 Exported for tools (bench/tp_transfer.py): the per-rank head-slice plan of ``head_slices.py``.
 """
 
-from pd_common.head_slices import PageShape, RankWrite, plan_rank_writes, slice_descriptors
-
 __all__ = ["PageShape", "RankWrite", "plan_rank_writes", "slice_descriptors"]
+
+
+def __getattr__(name: str):
+    # lazy (PEP 562): importing the package must not load the transfer engine (the router imports
+    # pd_common.protocol and never needs UCX)
+    if name in __all__:
+        from pd_common import head_slices
+
+        return getattr(head_slices, name)
+    raise AttributeError(f"module 'pd_common' has no attribute {name!r}")

@@ -9,10 +9,13 @@ those writes travel over several endpoints, the transfer engine's notice orderin
 batches to ONE segment) does not cover them: ``DeltaSender`` queues the notice only once every
 rank batch of the job completed.
 
-Strided per-rank puts, not a staging gather (rank 0 gathering every head into one buffer, one put
-per run): the gather would add a collective and a copy on P's scheduler thread for every batch, a
-registered staging buffer, and still need per-rank puts whenever D runs more than one rank; the
-per-rank puts go straight from each rank's own pool, in parallel across ranks.
+Serving uses strided per-rank puts: one put per (page, layer, K/V, token) whenever the two sides
+split the kv heads differently (one put per page run when the splits match). Measured on CPU
+(``python -m bench.tp_transfer``, bench/results/tp_transfer_cpu_table.txt) a staging gather per
+destination rank's head range (copy into a staging buffer, one put per page, a scatter on D where
+D holds more heads than the writer) is 40-75x faster for mismatched splits (512 pages P2->D1:
+27.4 s strided vs 0.61 s gathered); it is not wired into serving yet (it needs a registered
+staging buffer on every P rank and the scatter on D before the notice).
 """
 
 from __future__ import annotations
