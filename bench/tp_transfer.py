@@ -37,8 +37,7 @@ from bench.transfer_peers import ROOT
 from bench.transfer_worker import Proc
 from bench.tp_transfer_worker import ITEM, SHAPE
 from engine.distributed.shard import even_split
-from pd_common import plan_rank_writes
-from transfer_svc import RankRegion
+from pd_common import RankRegion, plan_rank_writes
 
 HEADS, RUN = 3, 8
 PAGE_BYTES = SHAPE.stride(HEADS)
@@ -161,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pages", default="16,128,512", help="delta sizes in pages")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "tp_transfer_cpu.json"))
     args = ap.parse_args(argv)
+    if args.reps < 2:
+        ap.error("--reps: at least 2 (the first run is a warm-up)")
     sizes = [int(x) for x in args.pages.split(",")]
     pool = (max(sizes) // RUN + 4) * RUN
     deltas = {n: delta_pages(n, pool, seed=n) for n in sizes}

@@ -23,7 +23,7 @@ import torch
 
 from bench.transfer_worker import _reply, private_stdout
 from pd_common import PageShape, RankWrite, slice_descriptors
-from transfer_svc import RankRegion
+from pd_common import RankRegion
 
 LAYERS, HEADS, HEAD_DIM, PAGE, ITEM = 30, 3, 64, 16, 4  # SmolLM2-135M, page 16, 4-byte elements
 SHAPE = PageShape(LAYERS, PAGE, HEAD_DIM, ITEM)

@@ -5,10 +5,11 @@
 - ``worker_runtime.py``: worker start-up/shut-down (model + pool, transfer engine, gRPC server with
   health and reflection, /metrics, registry record) and the flags both worker commands take.
 
-Exported for tools (bench/tp_transfer.py): the per-rank head-slice plan of ``head_slices.py``.
+Exported for tools (bench/tp_transfer.py): the per-rank head-slice plan of ``head_slices.py`` and
+the rank region it plans over.
 """
 
-__all__ = ["PageShape", "RankWrite", "plan_rank_writes", "slice_descriptors"]
+__all__ = ["PageShape", "RankRegion", "RankWrite", "plan_rank_writes", "slice_descriptors"]
 
 
 def __getattr__(name: str):

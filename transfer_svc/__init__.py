@@ -6,10 +6,9 @@ The engine's public API (transfer_svc.engine explains the model):
 """
 
 from transfer_svc.engine import TransferEngine
-from transfer_svc.rank_regions import RankRegion
 from transfer_svc.types import (BatchStatus, BoundsError, DescriptorError, Notify, Op, Region,
                                 Segment, SegmentClosed, State, TransferError)
 from transfer_svc.ucp import UCXError
 
 __all__ = ["TransferEngine", "Op", "State", "BatchStatus", "Notify", "Region", "Segment",
-           "TransferError", "SegmentClosed", "DescriptorError", "BoundsError", "UCXError", "RankRegion"]
+           "TransferError", "SegmentClosed", "DescriptorError", "BoundsError", "UCXError"]
