@@ -64,7 +64,11 @@ class WriteCommand:
 
     @classmethod
     def decode(cls, data: bytes) -> "WriteCommand":
-        d = json.loads(data)
+        return cls.from_json(json.loads(data))
+
+    @classmethod
+    def from_json(cls, d: dict) -> "WriteCommand":
+        """From the decoded JSON object (``d`` is consumed)."""
         d["targets"] = [WriteTarget(**t) for t in d["targets"]]
         return cls(**d)
 
@@ -108,7 +112,7 @@ class WriteAgent:
             if is_accounting(d):  # rank 0 asks what this rank's pool and page table hold
                 self.group.reply(answer(d, self.me.rank, self.runner, self.group.batches).encode())
                 return
-            cmd = WriteCommand.decode(payload)
+            cmd = WriteCommand.from_json(d)
         except (ValueError, TypeError, KeyError) as e:
             log.error("tensor-parallel rank %d: unreadable write command: %s", self.group.rank, e)
             return

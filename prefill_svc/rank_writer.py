@@ -138,9 +138,10 @@ class RankWriter:
                     data = q.get_nowait()
                 except queue.Empty:
                     break
-                if is_accounting(json.loads(data)):
+                d = json.loads(data)
+                if is_accounting(d):
                     continue  # a late answer to a timed-out accounting query
-                reply = WriteReply.decode(data)
+                reply = WriteReply(**d)
                 bid = self._by_cmd.pop(reply.id, None)
                 if bid in self._batches:
                     self._batches[bid].replies[rank] = reply
