@@ -1,17 +1,23 @@
-"""Heterogeneous P/D TP KV writes: strided per-rank-pair puts vs a staging gather (not a test).
+"""Heterogeneous P/D TP KV writes: serving's head-blocked writes vs strided per-rank-pair puts and a
+staging gather with a scatter on D (not a test).
 
-    .venv/bin/python -m bench.tp_transfer [--reps 4] [--pages 16,128,512]
+    .venv/bin/python -m bench.tp_transfer [--reps 4] [--pages 16,128,512] [--cases 2-1,1-2,3-2]
                                           [--out bench/results/tp_transfer_cpu.json]
 
 Pools shaped like SmolLM2-135M's (30 layers, 3 kv heads, head_dim 64, 4-byte elements, page 16,
 page_major: 720 KiB a page of every head), split P TP=2 -> D TP=1 (P ranks hold heads [0,2) and
-[2,3)) and P TP=1 -> D TP=2, each rank a process with its own transfer engine over UCX ``sm``
+[2,3)), P TP=1 -> D TP=2 and P TP=3 -> D TP=2 (by default), each rank a process with its own transfer engine over UCX ``sm``
 (bench/tp_transfer_worker.py), P ranks writing in parallel. A delta of N pages in runs of 8 (source
 and destination pages permuted independently) moves, in every case, N x 720 KiB.
 
 Methods:
-  strided  what serving does (pd_common/head_slices.py): one put per (page, layer, K/V, token) of a
-           head range's row, or one per page where both sides hold exactly that range
+  blocked  what serving does (pd_common/head_slices.py, staged_writes.py, head_blocks.py): one put
+           per page of a contiguous head block, from the P page itself where the P rank sends all
+           of its heads, else gathered in chunks through its 64 MiB staging area; into the whole D
+           page where the D rank receives all its heads from this P rank, else head-blocked at the
+           block's offset of D's page and rewritten token-major by D afterwards (unblock, timed)
+  strided  what serving did before (bench/strided_slices.py): one put per (page, layer, K/V, token)
+           of a head range's row, or one per page where both sides hold exactly that range
   gather   the P rank copies each D rank's head range of the delta pages into its registered
            staging area (torch index_select, timed), then: where the D rank holds exactly that head
            range, one put per page straight into D's pool (the engine merges page runs); else one
@@ -37,11 +43,11 @@ from bench.transfer_peers import ROOT
 from bench.transfer_worker import Proc
 from bench.tp_transfer_worker import ITEM, SHAPE
 from engine.distributed.shard import even_split
-from pd_common import RankRegion, plan_rank_writes
+from pd_common import RankRegion, head_cuts, plan_rank_writes
+from pd_common.head_blocks import rank_blocks
 
 HEADS, RUN = 3, 8
 PAGE_BYTES = SHAPE.stride(HEADS)
-CASES = [(2, 1), (1, 2)]
 
 
 def delta_pages(n: int, pool_pages: int, seed: int) -> tuple[list[int], list[int]]:
@@ -81,10 +87,11 @@ class Stack:
         staged: dict[int, list[dict]] = {}
         p_off: dict[int, int] = {}
         d_off: dict[int, int] = {}
-        for w in plan_rank_writes(self.p_regions, self.d_regions):
+        plan = plan_rank_writes(self.p_regions, self.d_regions)
+        for w in plan:
             src, dst = self.p_regions[w.src_rank], self.d_regions[w.dst_rank]
             rng = (w.head_start, w.head_end)
-            spec = {"lo": w.head_start, "hi": w.head_end, "mode": "strided",
+            spec = {"lo": w.head_start, "hi": w.head_end, "mode": "blocked" if method == "blocked" else "strided",
                     "dst_region": [dst.rank, dst.head_start, dst.head_end, dst.base, dst.length]}
             whole_src, whole_dst = rng == (src.head_start, src.head_end), rng == (dst.head_start, dst.head_end)
             if method == "gather" and not (whole_src and whole_dst):
@@ -100,6 +107,11 @@ class Stack:
                     spec["d_stage"] = self.d_infos[w.dst_rank]["stage_base"] + off * ITEM
                     staged.setdefault(w.dst_rank, []).append({"lo": w.head_start, "hi": w.head_end, "d_off": off})
             per_p.setdefault(w.src_rank, []).append(spec)
+        if method == "blocked":  # D ranks whose pages arrive head-blocked: their blocks
+            for d in self.d_regions:
+                blocks = rank_blocks(head_cuts(plan), d.head_start, d.head_end)
+                if len(blocks) > 1:
+                    staged[d.rank] = [list(b) for b in blocks]
         return per_p, staged
 
     def run(self, method: str, src: list[int], dst: list[int]) -> dict:
@@ -109,11 +121,15 @@ class Stack:
                                                 "dst_pages": dst}) + "\n")
             self.p[r].p.stdin.flush()
         rs = [self.p[r].read(600) for r in per_p]
-        scatter = [self.d[d].ask({"cmd": "scatter", "staged": s, "dst_pages": dst}, 600)["seconds"]
+        cmd, key = ("unblock", "blocks") if method == "blocked" else ("scatter", "staged")
+        scatter = [self.d[d].ask({"cmd": cmd, key: s, "dst_pages": dst}, 600)["seconds"]
                    for d, s in staged.items()]  # D ranks one after another; the max is what counts
         put_s = max(r["t_end"] for r in rs) - min(r["t_start"] for r in rs)
         return {"s": put_s + max(scatter, default=0.0), "gather_s": max(r["gather_s"] for r in rs),
-                "scatter_s": max(scatter, default=0.0), "descs": sum(r["descs"] for r in rs)}
+                "scatter_s": max(scatter, default=0.0), "descs": sum(r["descs"] for r in rs),
+                "staging_peak": max(r.get("staging_peak", 0) for r in rs),
+                "staging_in_use": max(r.get("staging_in_use", 0) for r in rs),
+                "staging_register_ms": max(r.get("staging_register_ms", 0.0) for r in rs)}
 
     def check(self, src: list[int], dst: list[int]) -> bool:
         return all(d.ask({"cmd": "check", "src_pages": src, "dst_pages": dst}, 600)["ok"] for d in self.d)
@@ -137,19 +153,23 @@ def measure(stack: Stack, method: str, src: list[int], dst: list[int], reps: int
     nbytes = len(src) * PAGE_BYTES
     return {"ms": 1e3 * med["s"], "gbps": nbytes / med["s"] / 1e9, "puts": runs[0]["descs"],
             "gather_ms": 1e3 * med["gather_s"], "scatter_ms": 1e3 * med["scatter_s"], "bytes": nbytes,
-            "verified": ok, "runs_ms": [round(1e3 * r["s"], 3) for r in runs]}
+            "verified": ok, "runs_ms": [round(1e3 * r["s"], 3) for r in runs],
+            "staging_peak_bytes": max(r["staging_peak"] for r in runs),
+            "staging_in_use_after": max(r["staging_in_use"] for r in runs),
+            "staging_register_ms": max(r["staging_register_ms"] for r in runs)}
 
 
 def table(report: dict) -> str:
-    lines = [f"{'case':<12}{'pages':>6} | {'strided ms':>10} {'GB/s':>6} {'puts':>7} | "
-             f"{'gather ms':>9} {'GB/s':>6} {'puts':>5} {'(gath+scat ms)':>15} | {'ceiling ms':>10} {'GB/s':>6} "
-             f"{'puts':>5} | ok"]
+    lines = [f"{'case':<9}{'pages':>6} | {'blocked ms':>10} {'GB/s':>5} {'puts':>5} {'unblk ms':>8} | "
+             f"{'strided ms':>10} {'GB/s':>5} {'puts':>7} | {'gather ms':>9} {'GB/s':>5} {'puts':>5} "
+             f"{'(gath+scat ms)':>15} | {'ceiling ms':>10} {'GB/s':>5} {'puts':>5} | ok"]
     for row in report["rows"]:
-        s, g, c = row["strided"], row["gather"], row["ceiling"]
-        ok = "yes" if s["verified"] and g["verified"] and c["verified"] else "NO"
-        lines.append(f"{row['case']:<12}{row['pages']:>6} | {s['ms']:>10.2f} {s['gbps']:>6.2f} {s['puts']:>7} | "
-                     f"{g['ms']:>9.2f} {g['gbps']:>6.2f} {g['puts']:>5} "
-                     f"{g['gather_ms']:>7.2f}+{g['scatter_ms']:<7.2f} | {c['ms']:>10.2f} {c['gbps']:>6.2f} "
+        b, s, g, c = row["blocked"], row["strided"], row["gather"], row["ceiling"]
+        ok = "yes" if all(x["verified"] for x in (b, s, g, c)) else "NO"
+        lines.append(f"{row['case']:<9}{row['pages']:>6} | {b['ms']:>10.2f} {b['gbps']:>5.2f} {b['puts']:>5} "
+                     f"{b['scatter_ms']:>8.2f} | {s['ms']:>10.2f} {s['gbps']:>5.2f} {s['puts']:>7} | "
+                     f"{g['ms']:>9.2f} {g['gbps']:>5.2f} {g['puts']:>5} "
+                     f"{g['gather_ms']:>7.2f}+{g['scatter_ms']:<7.2f} | {c['ms']:>10.2f} {c['gbps']:>5.2f} "
                      f"{c['puts']:>5} | {ok}")
     return "\n".join(lines)
 
@@ -158,11 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=4, help="runs per figure (the first is a warm-up)")
     ap.add_argument("--pages", default="16,128,512", help="delta sizes in pages")
+    ap.add_argument("--cases", default="2-1,1-2,3-2", help="P TP-D TP splits of the 3 kv heads")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "tp_transfer_cpu.json"))
     args = ap.parse_args(argv)
     if args.reps < 2:
         ap.error("--reps: at least 2 (the first run is a warm-up)")
     sizes = [int(x) for x in args.pages.split(",")]
+    try:
+        cases = [tuple(int(t) for t in c.split("-")) for c in args.cases.split(",")]
+    except ValueError:
+        ap.error(f"--cases: comma-separated P-D pairs like 2-1, got {args.cases!r}")
+    if any(len(c) != 2 or not 1 <= min(c) <= max(c) <= HEADS for c in cases):
+        ap.error(f"--cases: each TP size between 1 and {HEADS}, got {args.cases!r}")
     pool = (max(sizes) // RUN + 4) * RUN
     deltas = {n: delta_pages(n, pool, seed=n) for n in sizes}
     ceiling = Stack(1, 1, pool, max(sizes))
@@ -171,16 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ceiling.close()
     rows = []
-    for p_tp, d_tp in CASES:
+    for p_tp, d_tp in cases:
         stack = Stack(p_tp, d_tp, pool, max(sizes))
         try:
             for n in sizes:
                 row = {"case": f"P{p_tp}->D{d_tp}", "pages": n, "ceiling": ceil[n]}
-                for m in ("strided", "gather"):
+                for m in ("blocked", "strided", "gather"):
                     row[m] = measure(stack, m, *deltas[n], args.reps)
                 rows.append(row)
-                print(f"{row['case']} {n} pages: strided {row['strided']['ms']:.2f} ms, "
-                      f"gather {row['gather']['ms']:.2f} ms, ceiling {ceil[n]['ms']:.2f} ms", flush=True)
+                print(f"{row['case']} {n} pages: blocked {row['blocked']['ms']:.2f} ms, strided "
+                      f"{row['strided']['ms']:.2f} ms, gather {row['gather']['ms']:.2f} ms, "
+                      f"ceiling {ceil[n]['ms']:.2f} ms", flush=True)
         finally:
             stack.close()
     report = {"model": "SmolLM2-135M pools (30 layers, 3 kv heads, head_dim 64, 4 B, page 16)",

@@ -2,9 +2,11 @@
 page_major pool of its kv heads plus a staging area, both in one buffer registered with its own
 ``TransferEngine``, answering the controller's JSON-line commands (bench/transfer_worker.py ``Proc``).
 
-Commands: P rank: connect (open every D rank's segment), run (one batch of writes, strided or
-gathered: monotonic end time, gather seconds, descriptors submitted); D rank: scatter (staged
-writes into the pool: seconds), check (does the pool hold the expected elements), zero, exit.
+Commands: P rank: connect (open every D rank's segment), run (one batch of writes, strided,
+gathered, or serving's head-blocked writes through ``pd_common.staged_writes.RankWrites``: monotonic
+end time, gather seconds, descriptors submitted); D rank: scatter (staged writes into the pool:
+seconds), unblock (serving's ``pd_common.head_blocks.unblock_pages``: seconds), check (does the
+pool hold the expected elements), zero, exit.
 
 Pools hold int32 elements (4 bytes, as fp32; the transfer copies bytes): element
 ``(page, layer, kv, token, head, dim)`` of the whole model's pool is its row-major index in a pool
@@ -21,9 +23,9 @@ import time
 
 import torch
 
+from bench.strided_slices import slice_descriptors
 from bench.transfer_worker import _reply, private_stdout
-from pd_common import PageShape, RankWrite, slice_descriptors
-from pd_common import RankRegion
+from pd_common import PageShape, RankRegion, RankWrite
 
 LAYERS, HEADS, HEAD_DIM, PAGE, ITEM = 30, 3, 64, 16, 4  # SmolLM2-135M, page 16, 4-byte elements
 SHAPE = PageShape(LAYERS, PAGE, HEAD_DIM, ITEM)
@@ -63,6 +65,7 @@ class Rank:
         self.eng = TransferEngine(f"tp-{side}{rank}-{os.getpid()}", transports="sm", timeout_s=300)
         self.eng.register_memory(self.base, self.buf.numel() * ITEM)
         self.segs: dict[int, object] = {}
+        self.writes = None  # serving's RankWrites, built on the first "blocked" run
 
     def region(self) -> RankRegion:
         return RankRegion(self.rank, self.lo, self.hi, self.base, self.pool.numel() * ITEM)
@@ -85,6 +88,8 @@ class Rank:
         t0 = time.monotonic()
         gather_s, n_desc, bids = 0.0, 0, []
         idx = torch.tensor(src_pages, dtype=torch.int64)
+        if writes and writes[0]["mode"] == "blocked":
+            return self.run_blocked(writes, src_pages, dst_pages, t0)
         for w in writes:
             dst = RankRegion(*w["dst_region"])
             if w["mode"] == "strided":
@@ -111,6 +116,32 @@ class Rank:
                 raise RuntimeError(f"rank {self.rank}: {st}")
         t1 = time.monotonic()
         return {"t_start": t0, "t_end": t1, "gather_s": gather_s, "descs": n_desc}
+
+    def run_blocked(self, writes: list[dict], src_pages: list[int], dst_pages: list[int], t0: float) -> dict:
+        """Serving's path: every write one block per page, gathered through the rank's staging area
+        where it sends only some of its heads (pd_common/staged_writes.py, its default 64 MiB)."""
+        from pd_common.staged_writes import DEFAULT_STAGING_MB, RankWrites, Target
+
+        if self.writes is None:
+            self.writes = RankWrites(self.eng, self.pool, self.region(), SHAPE, DEFAULT_STAGING_MB << 20)
+        targets = [Target(self.segs[w["dst_region"][0]], RankRegion(*w["dst_region"]),
+                          RankWrite(self.rank, w["dst_region"][0], w["lo"], w["hi"])) for w in writes]
+        jid = self.writes.start(targets, src_pages, dst_pages, None)
+        st = self.writes.wait(jid)
+        descs, _ = self.writes.puts(jid)
+        self.writes.release(jid)
+        if st.state.name != "COMPLETED":
+            raise RuntimeError(f"rank {self.rank}: {st}")
+        return {"t_start": t0, "t_end": time.monotonic(), "gather_s": 0.0, "descs": descs,
+                "staging_register_ms": 1e3 * self.writes.staging.register_s,
+                "staging_peak": self.writes.staging.peak, "staging_in_use": self.writes.staging.in_use}
+
+    def unblock(self, blocks: list[list[int]], dst_pages: list[int]) -> float:
+        from pd_common.head_blocks import unblock_pages
+
+        t0 = time.monotonic()
+        unblock_pages(self.pool, dst_pages, blocks)
+        return time.monotonic() - t0
 
     def scatter(self, staged: list[dict], dst_pages: list[int]) -> float:
         """Copy each staged write [pages, LAYERS, 2, PAGE, hi - lo, HEAD_DIM] into its heads of the pool."""
@@ -143,6 +174,8 @@ def main(argv: list[str]) -> None:
             _reply(r.run(c["writes"], c["src_pages"], c["dst_pages"]))
         elif c["cmd"] == "scatter":
             _reply({"seconds": r.scatter(c["staged"], c["dst_pages"])})
+        elif c["cmd"] == "unblock":
+            _reply({"seconds": r.unblock(c["blocks"], c["dst_pages"])})
         elif c["cmd"] == "check":
             _reply({"ok": r.check(c["src_pages"], c["dst_pages"])})
         elif c["cmd"] == "zero":

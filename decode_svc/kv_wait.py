@@ -1,11 +1,13 @@
 """Requests whose destination went to P, waiting for the delta's KV and P's notice.
 
-On P's notice the delta is checked and committed: the notice's page count (and checksums with
-``--kv-checksums``) against the prebuilt batch's ``out_cache_loc = req_to_token[row,
-pre_len:prompt_len]`` (the slots P filled; never ``row[:n]``, which are the prefix's when D had a
-hit), then the prompt's full pages go into D's radix cache and the request moves on with P's first
-token. This queue also follows SetDestination outcomes, fails requests whose KV does not come in
-time, and polls the liveness of the prefill workers that may still write D's pages.
+On P's notice the delta is checked and committed, all over the delta's slots ``out_cache_loc =
+req_to_token[row, pre_len:prompt_len]`` (the slots P filled; never ``row[:n]``, which are the
+prefix's when D had a hit): the notice's page count; then, under tensor parallelism, the pages P
+wrote head-blocked are rewritten token-major on every rank (``pd_common.head_blocks``); then the
+checksums with ``--kv-checksums``; then the prompt's full pages go into D's radix cache and the
+request moves on with P's first token. This queue also follows SetDestination outcomes, fails
+requests whose KV does not come in time, and polls the liveness of the prefill workers that may
+still write D's pages.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from decode_svc.prebuilt import delta_pages, prebuilt_out_cache_loc
 from decode_svc.quarantine import Quarantine
 from engine.kvcache.cache_manager import CacheManager
 from engine.sampler import make_generator
+from pd_common.head_blocks import HeadUnblocker
 from pd_common.protocol import ServiceError, page_checksums
 from protos import common_pb2, prefill_pb2
 from telemetry import metrics as M
@@ -62,6 +65,7 @@ class KVWaitQueue:
         self.checksums = checksums
         self.timeout_s = timeout_s
         self.liveness_interval_s = liveness_interval_s
+        self.unblocker = HeadUnblocker.for_runner(runner)
         self._jobs: dict[int, DecodeJob] = {}  # insertion order = arrival order (prealloc is FIFO)
         self._last_liveness = 0.0
 
@@ -145,6 +149,11 @@ class KVWaitQueue:
         pages = delta_pages(loc, self.kv.page_size)
         if notice.pages_sent != len(pages):
             return f"prefill sent {notice.pages_sent} pages, {len(pages)} expected"
+        # before anything reads the pages (checksums, the commit): every rank's head-blocked pages
+        # rewritten token-major (pd_common/head_blocks.py says why followers need no reply)
+        error = self.unblocker.unblock(pages, notice.head_block_cuts)
+        if error:
+            return f"prefill's KV of room {job.room}: {error}"
         pool = self.runner.kv_pool
         if self.checksums and list(notice.page_checksums) != page_checksums(pool, pages):
             return f"KV checksum mismatch on room {job.room}"

@@ -5,11 +5,12 @@
 - ``worker_runtime.py``: worker start-up/shut-down (model + pool, transfer engine, gRPC server with
   health and reflection, /metrics, registry record) and the flags both worker commands take.
 
-Exported for tools (bench/tp_transfer.py): the per-rank head-slice plan of ``head_slices.py`` and
+Exported for tools (bench/tp_transfer.py): the per-rank head-block plan of ``head_slices.py`` and
 the rank region it plans over.
 """
 
-__all__ = ["PageShape", "RankRegion", "RankWrite", "plan_rank_writes", "slice_descriptors"]
+__all__ = ["BlockWrite", "PageShape", "RankRegion", "RankWrite", "block_descriptors", "block_write", "head_cuts",
+           "plan_rank_writes"]
 
 
 def __getattr__(name: str):

@@ -1,17 +1,24 @@
 """Which P rank writes which kv heads into which D rank, and the puts of one such write.
 
 Under tensor parallelism each rank's page_major pool holds only its kv heads, laid out
-``[pages, layers, K/V, page_size, heads, head_dim]`` (``engine.kvcache.kv_pool``). P of TP a writes
-into D of TP b by kv-head ranges (transfer_svc/rank_regions.py ``RankRegion``): every head of a D
-rank comes from the lowest P rank holding it (a replicated head is sent once per D rank holding
-it, not once per P replica).
+``[pages, layers, K/V, page_size, heads, head_dim]`` (``engine.kvcache.kv_pool``), token-major
+inside a page. P of TP a writes into D of TP b by kv-head ranges (transfer_svc/rank_regions.py
+``RankRegion``): every head of a D rank comes from the lowest P rank holding it (a replicated head
+is sent once per D rank holding it, not once per P replica).
 
-A write whose head range is the whole shard on both sides (P TP=2 -> D TP=2 with the same split)
-moves whole pages, one put per page (the transfer engine merges page runs contiguous on both sides
-into one put). Otherwise the heads of one token row are contiguous but rows are not: one put per
-(page, layer, K/V, token) of ``heads * head_dim`` elements — the pool is token-major inside a page,
-so a head slice is ``page_size`` strided pieces (a head-major page would make it one put per
-(page, layer, K/V), at the cost of the attention kernels' views).
+Every write moves ONE contiguous block per page, ``[layers, K/V, page_size, hi - lo, head_dim]``
+of heads ``[lo, hi)`` (``BlockWrite``):
+
+* source: the whole P page when ``[lo, hi)`` is all of the P rank's heads, else the block gathered
+  into the P rank's registered staging area (``pd_common.staged_writes``);
+* destination: the whole D page when ``[lo, hi)`` is all of the D rank's heads, else the block at
+  byte offset ``stride(lo - d.head_start)`` of D's page: the page is then *head-blocked* (its blocks
+  in head order, each token-major) until D rewrites it token-major (``pd_common.head_blocks``)
+  before anything reads it.
+
+So a write is one descriptor per page (the transfer engine coalesces page runs contiguous on both
+sides). The strided alternative, one put per (page, layer, K/V, token) row of the slice, measured
+40-75x slower (bench/tp_transfer.py keeps it for comparison).
 """
 
 from __future__ import annotations
@@ -78,34 +85,69 @@ def plan_rank_writes(src: Sequence[RankRegion], dst: Sequence[RankRegion]) -> li
     return out
 
 
-def slice_descriptors(write: RankWrite, src: RankRegion, dst: RankRegion, shape: PageShape,
-                      src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(local address, remote address, bytes) puts moving ``write``'s heads of page ``src_pages[i]``
-    (in ``src``) to ``dst_pages[i]`` (in ``dst``), in page order.
+def head_cuts(plan: Sequence[RankWrite]) -> list[int]:
+    """The kv-head boundaries of ``plan``'s writes, sorted (``[0, ..., kv_heads]``): a D rank whose
+    heads an inner cut splits receives its pages head-blocked at those cuts (``head_blocks``)."""
+    return sorted({w.head_start for w in plan} | {w.head_end for w in plan})
+
+
+@dataclass(frozen=True)
+class BlockWrite:
+    """How ``write`` moves each page: one block of ``block_bytes``.
+
+    ``staged``: the heads are not all of the P rank's, so the P rank gathers them into staging first
+    (``src_head_offset``: the first one's index in its pool). ``blocked``: not all of the D rank's
+    heads, so the block lands at ``dst_offset`` bytes into D's page and D unblocks the page."""
+
+    write: RankWrite
+    staged: bool
+    blocked: bool
+    block_bytes: int
+    dst_offset: int
+    src_head_offset: int
+
+
+def block_write(write: RankWrite, src: RankRegion, dst: RankRegion, shape: PageShape) -> BlockWrite:
+    """``write`` from ``src`` into ``dst`` as one block per page.
 
     Raises:
-        ValueError: the page lists differ in length, a page lies outside its region, or the head
-            range is not inside both regions.
+        ValueError: the head range is empty or not inside both regions.
     """
-    if len(src_pages) != len(dst_pages):
-        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
     lo, hi = write.head_start, write.head_end
     for r in (src, dst):
         if not r.head_start <= lo < hi <= r.head_end:
             raise ValueError(f"kv heads [{lo}, {hi}) outside rank {r.rank}'s [{r.head_start}, {r.head_end})")
-    s_stride, d_stride = shape.stride(src.heads), shape.stride(dst.heads)
-    for pages, r, stride in ((src_pages, src, s_stride), (dst_pages, dst, d_stride)):
-        if any(not 0 <= int(p) < r.length // stride for p in pages):
-            raise ValueError(f"page outside rank {r.rank}'s region of {r.length // stride} pages")
-    if (lo, hi) == (src.head_start, src.head_end) == (dst.head_start, dst.head_end):
-        return [(src.base + int(s) * s_stride, dst.base + int(d) * d_stride, s_stride)
-                for s, d in zip(src_pages, dst_pages)]
-    s_row, d_row = shape.row_bytes(src.heads), shape.row_bytes(dst.heads)
-    n = shape.row_bytes(hi - lo)
-    s_off, d_off = shape.row_bytes(lo - src.head_start), shape.row_bytes(lo - dst.head_start)
-    rows = range(2 * shape.num_layers * shape.page_size)  # (layer, K/V, token) rows, in memory order
-    out = []
-    for s, d in zip(src_pages, dst_pages):
-        sa, da = src.base + int(s) * s_stride + s_off, dst.base + int(d) * d_stride + d_off
-        out.extend((sa + i * s_row, da + i * d_row, n) for i in rows)
-    return out
+    return BlockWrite(write, (lo, hi) != (src.head_start, src.head_end), (lo, hi) != (dst.head_start, dst.head_end),
+                      shape.stride(hi - lo), shape.stride(lo - dst.head_start), lo - src.head_start)
+
+
+def check_pages(pages: Sequence[int], region: RankRegion, shape: PageShape) -> None:
+    """Raises ValueError naming the rank when a page of ``pages`` lies outside ``region``."""
+    n = region.length // shape.stride(region.heads)
+    if any(not 0 <= int(p) < n for p in pages):
+        raise ValueError(f"page outside rank {region.rank}'s region of {n} pages")
+
+
+def block_descriptors(bw: BlockWrite, src: RankRegion, dst: RankRegion, shape: PageShape,
+                      src_pages: Sequence[int], dst_pages: Sequence[int],
+                      staging_addr: int | None = None) -> list[tuple[int, int, int]]:
+    """(local address, remote address, bytes): one per page, ``src_pages[i]`` (in ``src``; block
+    ``i`` of the staging area at ``staging_addr`` when ``bw.staged``) to ``dst_pages[i]`` (in
+    ``dst``), in page order.
+
+    Raises:
+        ValueError: the page lists differ in length, a page lies outside its region, or a staged
+            write has no ``staging_addr``.
+    """
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    check_pages(src_pages, src, shape)
+    check_pages(dst_pages, dst, shape)
+    n, d_stride = bw.block_bytes, shape.stride(dst.heads)
+    remote = [dst.base + int(d) * d_stride + bw.dst_offset for d in dst_pages]
+    if bw.staged:
+        if staging_addr is None:
+            raise ValueError(f"kv heads [{bw.write.head_start}, {bw.write.head_end}) of rank {src.rank} need staging")
+        return [(staging_addr + i * n, r, n) for i, r in enumerate(remote)]
+    s_stride = shape.stride(src.heads)
+    return [(src.base + int(s) * s_stride, r, n) for s, r in zip(src_pages, remote)]

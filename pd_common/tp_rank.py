@@ -5,10 +5,13 @@ Besides following rank 0's batches (``engine.distributed.follower.run_follower``
 own transfer engine (``<worker-id>#rank<r>``) with its KV shard registered, and sends rank 0 its
 segment descriptor as its first reply; rank 0 folds it into the worker's one descriptor
 (transfer_svc/rank_regions.py). On a prefill worker rank 0 then sends it *write commands*
-(``WriteCommand``, JSON): the pages and D ranks to write this rank's kv heads into. The rank submits
-them on its own engine and replies once every put completed or one failed (``WriteReply``), which
-rank 0 needs before it sends D the notice. On P and D it answers rank 0's accounting queries
-(``pd_common.rank_accounting``).
+(``WriteCommand``, JSON): the pages and D ranks to write this rank's kv heads into. The rank writes
+them on its own engine, one block per page (``pd_common.staged_writes``: straight from its pool, or
+gathered through its staging area when it sends only some of its heads), and replies once every put
+completed or one failed (``WriteReply``), which rank 0 needs before it sends D the notice. On a
+decode worker it rewrites head-blocked delta pages token-major when rank 0 says so
+(``pd_common.head_blocks.UnblockCommand``, no reply: the pipe's order puts it before any forward
+reading them). On P and D it answers rank 0's accounting queries (``pd_common.rank_accounting``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from engine.distributed.follower import parse_args, run_follower
-from pd_common.head_slices import PageShape, RankWrite, slice_descriptors
+from pd_common.head_blocks import is_unblock, unblock_pages
+from pd_common.head_slices import PageShape, RankWrite
 from pd_common.rank_accounting import answer, is_accounting
+from pd_common.staged_writes import DEFAULT_STAGING_MB, RankWrites, Target
 from protos import registry_pb2
 from transfer_svc.rank_regions import RankRegion
 from transfer_svc.types import State
@@ -37,6 +42,7 @@ class AgentConfig:
     transports: str | None
     timeout_s: float
     busy_poll: bool = False
+    staging_bytes: int = 0  # prefill: the rank's KV staging area (--kv-staging-mb); decode: 0
 
 
 @dataclass
@@ -98,58 +104,74 @@ def local_region(runner) -> RankRegion:
 
 
 class WriteAgent:
-    """A follower's side of P's KV writes: submits each command's puts, replies when they end."""
+    """A follower's side of P's KV writes (submits each command's puts, replies when they end) and
+    of D's unblocking."""
 
-    def __init__(self, engine, group, runner):
+    def __init__(self, engine, group, runner, staging_bytes: int):
         self.engine, self.group, self.runner = engine, group, runner
         self.me = local_region(runner)
+        self.staging_bytes = staging_bytes
+        self._writes: RankWrites | None = None  # built on the first write command (P only)
         self._waits = ThreadPoolExecutor(1, thread_name_prefix="tp-write-wait")
 
     def handle(self, payload: bytes) -> None:
-        """``TPGroup.on_command``: never raises (a failure is the command's reply)."""
+        """``TPGroup.on_command``. A write's failure is its reply; an unblock that fails raises
+        RuntimeError (this rank's pool would differ from what rank 0 commits: the rank exits)."""
         try:
             d = json.loads(payload)
             if is_accounting(d):  # rank 0 asks what this rank's pool and page table hold
                 self.group.reply(answer(d, self.me.rank, self.runner, self.group.batches).encode())
                 return
+            if is_unblock(d):
+                self._unblock(d)
+                return
             cmd = WriteCommand.from_json(d)
         except (ValueError, TypeError, KeyError) as e:
             log.error("tensor-parallel rank %d: unreadable write command: %s", self.group.rank, e)
             return
-        bids, puts, nbytes = [], 0, 0
         try:
             if self.runner.device.type == "cuda":  # the forward's KV writes land before UCX reads them
                 import torch
 
                 torch.cuda.current_stream(self.runner.device).synchronize()
             shape = PageShape(*cmd.shape)
+            if self._writes is None:
+                self._writes = RankWrites(self.engine, self.runner.kv_pool.region, self.me, shape,
+                                          self.staging_bytes or DEFAULT_STAGING_MB << 20)
+            targets = []
             for t in cmd.targets:
                 desc = registry_pb2.SegmentDescriptor.FromString(bytes.fromhex(t.desc_hex))
-                seg = self.engine.open_segment(desc)
-                write = RankWrite(self.me.rank, t.dst[0], t.head_start, t.head_end)
-                descs = slice_descriptors(write, self.me, RankRegion(*t.dst), shape, cmd.src_pages, cmd.dst_pages)
-                bids.append(self.engine.submit(seg, descs, not_after=cmd.not_after))
-                puts += len(descs)
-                nbytes += sum(d[2] for d in descs)
-        except Exception as e:  # SegmentClosed, BoundsError, DescriptorError, ValueError: say so to rank 0
-            self._waits.submit(self._finish, cmd.id, bids, 0, 0, f"rank {self.me.rank}: {e}")
+                targets.append(Target(self.engine.open_segment(desc), RankRegion(*t.dst),
+                                      RankWrite(self.me.rank, t.dst[0], t.head_start, t.head_end)))
+            jid = self._writes.start(targets, cmd.src_pages, cmd.dst_pages, cmd.not_after)
+        except Exception as e:  # SegmentClosed, DescriptorError, ValueError: say so to rank 0
+            self._waits.submit(self._reply, WriteReply(cmd.id, False, f"rank {self.me.rank}: {e}"))
             return
-        self._waits.submit(self._finish, cmd.id, bids, puts, nbytes, "")
+        self._waits.submit(self._finish, cmd.id, jid)
 
-    def _finish(self, cid: int, bids: list[int], puts: int, nbytes: int, error: str) -> None:
-        reasons = [error] if error else []
-        for bid in bids:
-            st = self.engine.wait(bid)
-            self.engine.release(bid)
-            if st.state is not State.COMPLETED:
-                reasons.append(f"rank {self.me.rank}: {st.reason or st.state.name}")
+    def _unblock(self, d: dict) -> None:
         try:
-            self.group.reply(WriteReply(cid, not reasons, "; ".join(reasons), puts, nbytes).encode())
+            unblock_pages(self.runner.kv_pool.region, d["pages"], d["blocks"])
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise RuntimeError(f"tensor-parallel rank {self.me.rank}: cannot unblock KV pages: {e}") from None
+
+    def _finish(self, cid: int, jid: int) -> None:
+        st = self._writes.wait(jid)
+        puts, nbytes = self._writes.puts(jid)
+        self._writes.release(jid)
+        ok = st.state is State.COMPLETED
+        self._reply(WriteReply(cid, ok, "" if ok else st.reason, puts if ok else 0, nbytes if ok else 0))
+
+    def _reply(self, reply: WriteReply) -> None:
+        try:
+            self.group.reply(reply.encode())
         except OSError:
             pass  # rank 0 is gone: this rank exits with the control pipe
 
     def close(self) -> None:
         self._waits.shutdown(wait=False, cancel_futures=True)
+        if self._writes is not None:
+            self._writes.close()
 
 
 def _setup(group, runner, args):
@@ -162,7 +184,7 @@ def _setup(group, runner, args):
     for buf in runner.kv_pool.buffers():
         engine.register_memory(buf.data_ptr(), buf.numel() * buf.element_size(), loc)
     group.reply(engine.publish().SerializeToString())
-    agent = WriteAgent(engine, group, runner)
+    agent = WriteAgent(engine, group, runner, cfg.staging_bytes)
     group.on_command = agent.handle
 
     def close():

@@ -247,7 +247,8 @@ class Worker:
 
         a = self.args
         cfg = AgentConfig(self.worker_id, ucx_transports(a.transport, a.device), a.transfer_timeout,
-                          busy_poll=a.device.startswith("cuda"))
+                          busy_poll=a.device.startswith("cuda"),
+                          staging_bytes=int(getattr(a, "kv_staging_mb", 0) * (1 << 20)))
         return FollowerSpec("pd_common.tp_rank", json.dumps(dataclasses.asdict(cfg)))
 
     def start_transfer(self, runner):

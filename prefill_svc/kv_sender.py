@@ -11,9 +11,10 @@
   batch to that segment completed, and fails it if one failed.
 * A job's pages stay allocated while any of its batches or its notice may still read them.
 * Tensor parallelism (P or D runs several ranks): each batch is a ``RankWriter`` rank batch, one
-  write per (P rank, D rank, kv-head range) on the writing rank's engine; the notice is queued only
-  once every rank batch of the job completed (those writes use several endpoints, so the engine's
-  ordering behind one segment's batches does not cover them).
+  write per (P rank, D rank, kv-head range) on the writing rank's engine, one block per page; the
+  notice is queued only once every rank batch of the job completed (those writes use several
+  endpoints, so the engine's ordering behind one segment's batches does not cover them), and
+  carries the kv-head cuts at which D must unblock head-blocked pages (``head_block_cuts``).
 
 Every accepted destination gets exactly one notice, ok or ok=false (failure, abort, expiry), so D
 can keep its destination pages quarantined until then.
@@ -235,7 +236,8 @@ class DeltaSender:
             job.batches[bid] = PendingBatch(time.monotonic(), len(src), nbytes, per_rank=True)
             for w in writes:
                 M.TRANSFER_RANK_PAGES.labels(src_rank=str(w.src_rank), dst_rank=str(w.dst_rank)).inc(w.pages)
-            record["rank_writes"] = [[w.src_rank, w.dst_rank, w.head_start, w.head_end, w.pages] for w in writes]
+            record["rank_writes"] = [[w.src_rank, w.dst_rank, w.head_start, w.head_end, w.pages, w.descriptors,
+                                      int(w.staged), int(w.blocked)] for w in writes]
         else:
             runs = merge_runs(src, dst)
             descs = descriptors(runs, self.geometry, dest.geometry)
@@ -263,6 +265,8 @@ class DeltaSender:
         notice.first_logprob.CopyFrom(token_logprob(tok, lp, top))
         notice.sampler_state = job.rng_state
         notice.samples.extend(job.samples)
+        if self._per_rank(job.dest):  # D rewrites its head-blocked pages at these cuts before the commit
+            notice.head_block_cuts.extend(self.rank_writer.head_cuts(job.dest.segment))
         if self.checksums or job.dest.msg.want_checksums:
             r2t = self.runner.req_to_token_pool.req_to_token
             slots = r2t[job.lease.row, int(job.dest.msg.pre_len): len(job.prompt_ids)]  # D's delta

@@ -12,7 +12,13 @@ from pd_common.worker_runtime import Worker, add_common_arguments, engine_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pd_common.staged_writes import DEFAULT_STAGING_MB
+
     add_common_arguments(parser, "prefill")
+    parser.add_argument("--kv-staging-mb", type=float, default=float(DEFAULT_STAGING_MB),
+                        help="per rank: the registered buffer a rank gathers a kv-head slice of the delta "
+                             "pages into when it sends a decode rank only some of its heads (P and D split "
+                             "the heads differently); at least two pages of the rank's heads")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,18 +31,28 @@ def run(args: argparse.Namespace) -> int:
 
     w = Worker(args, "prefill")
     from pd_common.head_slices import PageShape
+    from pd_common.staged_writes import RankWrites
     from prefill_svc.rank_writer import RankWriter
 
+    if not args.kv_staging_mb > 0:
+        raise SystemExit(f"error: --kv-staging-mb must be positive, got {args.kv_staging_mb:g}")
     runner = ModelRunner(engine_config(args, args.max_running_requests, args.disable_radix_cache),
                          follower=w.follower_spec())
     transfer = w.start_transfer(runner)
+    shape = PageShape.from_layout(w.layout)
+    try:
+        staged = RankWrites(transfer, runner.kv_pool.region, w.rank_regions[0], shape,
+                            int(args.kv_staging_mb * (1 << 20))) if runner.kv_pool.region is not None else None
+    except ValueError as e:
+        runner.close()
+        raise SystemExit(f"error: --kv-staging-mb {args.kv_staging_mb:g}: {e}") from None
     sched = PrefillScheduler(runner, transfer, destination_timeout_s=args.destination_timeout,
                              transfer_log=args.transfer_log, checksums=args.kv_checksums,
                              disable_radix_cache=args.disable_radix_cache,
                              lease_valid_for=w.registry.lease_valid_for,
                              lease_fence_margin_s=args.lease_fence_margin, cpu_share=w.cpu_share,
-                             rank_writer=RankWriter(transfer, runner.tp, w.rank_regions,
-                                                    PageShape.from_layout(w.layout)))
+                             rank_writer=RankWriter(transfer, runner.tp, w.rank_regions, shape, staged)
+                             if staged is not None else None)
     w.attach_kv_events(sched)
     sched.start()
     servicer = PrefillServicer(sched, transfer, args.worker_id, vocab_size=runner.vocab_size,

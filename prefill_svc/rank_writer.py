@@ -9,13 +9,13 @@ those writes travel over several endpoints, the transfer engine's notice orderin
 batches to ONE segment) does not cover them: ``DeltaSender`` queues the notice only once every
 rank batch of the job completed.
 
-Serving uses strided per-rank puts: one put per (page, layer, K/V, token) whenever the two sides
-split the kv heads differently (one put per page run when the splits match). Measured on CPU
-(``python -m bench.tp_transfer``, bench/results/tp_transfer_cpu_table.txt) a staging gather per
-destination rank's head range (copy into a staging buffer, one put per page, a scatter on D where
-D holds more heads than the writer) is 40-75x faster for mismatched splits (512 pages P2->D1:
-27.4 s strided vs 0.61 s gathered); it is not wired into serving yet (it needs a registered
-staging buffer on every P rank and the scatter on D before the notice).
+Each write moves one contiguous block per page (``pd_common.head_slices``): from the P page itself
+or, where the P rank sends only some of its heads, from its registered staging area
+(``pd_common.staged_writes``: gathered in chunks, bounded by ``--kv-staging-mb``); into the whole D
+page or, where the D rank receives heads from several P ranks, head-blocked into D's page at the
+block's offset (D rewrites those pages token-major on the notice, ``pd_common.head_blocks``; the
+notice carries the cuts, ``head_cuts``). The strided per-row puts this replaced measured 40-75x
+slower (bench/results/tp_transfer_cpu_table.txt).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import queue
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pd_common.head_slices import PageShape, RankWrite, plan_rank_writes, slice_descriptors
+from pd_common.head_slices import PageShape, block_write, check_pages, head_cuts, plan_rank_writes
 from pd_common.rank_accounting import is_accounting
+from pd_common.staged_writes import RankWrites, Target
 from pd_common.tp_rank import WriteCommand, WriteReply, WriteTarget
 from transfer_svc.engine import BatchStatus, DescriptorError, State
 from transfer_svc.rank_regions import RankRegion, rank_descriptor, rank_regions
@@ -35,18 +36,23 @@ from transfer_svc.rank_regions import RankRegion, rank_descriptor, rank_regions
 
 @dataclass(frozen=True)
 class RankPages:
-    """What one (P rank, D rank) write of a batch moved: pages of heads ``[head_start, head_end)``."""
+    """What one (P rank, D rank) write of a batch moved: pages of heads ``[head_start, head_end)``,
+    as ``descriptors`` puts (one per page), gathered through P's staging (``staged``), landing
+    head-blocked in D's pages (``blocked``)."""
 
     src_rank: int
     dst_rank: int
     head_start: int
     head_end: int
     pages: int
+    descriptors: int = 0
+    staged: bool = False
+    blocked: bool = False
 
 
 @dataclass
 class _RankBatch:
-    local: list[int]                      # rank 0's batch ids
+    local: int | None                     # rank 0's RankWrites job
     remote: dict[int, int]                # follower rank -> command id
     nbytes: int
     writes: list[RankPages]
@@ -61,10 +67,12 @@ class RankWriter:
         transfer: rank 0's transfer engine. group: P's ``TPGroup`` (None: P runs one rank).
         regions: P's rank regions, rank order (``pd_common.tp_rank.local_region`` for rank 0, the
             followers' descriptors for the others). shape: the page shape P publishes.
+        local: rank 0's own writes (``RankWrites`` over its pool and staging area).
     """
 
-    def __init__(self, transfer, group, regions: Sequence[RankRegion], shape: PageShape):
+    def __init__(self, transfer, group, regions: Sequence[RankRegion], shape: PageShape, local: RankWrites):
         self.transfer, self.group, self.regions, self.shape = transfer, group, list(regions), shape
+        self.local = local
         self._ids = itertools.count(1)
         self._cmd_ids = itertools.count(1)
         self._batches: dict[int, _RankBatch] = {}
@@ -83,6 +91,15 @@ class RankWriter:
             return f"decode's KV shards cannot be written from this prefill worker's: {e}"
         return None
 
+    def head_cuts(self, segment) -> list[int]:
+        """The notice's ``head_block_cuts`` for writes into ``segment``: the plan's kv-head
+        boundaries when some D rank receives head-blocked pages, else empty."""
+        dst = rank_regions(segment.descriptor)
+        plan = plan_rank_writes(self.regions, dst)
+        if all((w.head_start, w.head_end) == (dst[w.dst_rank].head_start, dst[w.dst_rank].head_end) for w in plan):
+            return []
+        return head_cuts(plan)
+
     def submit(self, segment, src_pages: Sequence[int], dst_pages: Sequence[int],
                not_after: float | None) -> tuple[int, int, list[RankPages]]:
         """Write ``src_pages[i]`` of every P rank into ``dst_pages[i]`` of D's ranks -> (rank batch
@@ -98,27 +115,33 @@ class RankWriter:
         dst_regions = rank_regions(desc)
         plan = plan_rank_writes(self.regions, dst_regions)
         src_pages, dst_pages = [int(p) for p in src_pages], [int(p) for p in dst_pages]
-        local: list[tuple[RankWrite, object, list]] = []
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+        local: list[Target] = []
         remote: dict[int, list[WriteTarget]] = {}
-        nbytes = 0
-        for w in plan:  # every descriptor is built (and checked) before anything is submitted
+        writes, nbytes = [], 0
+        for w in plan:  # every write is checked before anything is submitted
             src, dst = self.regions[w.src_rank], dst_regions[w.dst_rank]
-            descs = slice_descriptors(w, src, dst, self.shape, src_pages, dst_pages)
-            nbytes += sum(d[2] for d in descs)
+            bw = block_write(w, src, dst, self.shape)
+            check_pages(src_pages, src, self.shape)
+            check_pages(dst_pages, dst, self.shape)
+            nbytes += len(src_pages) * bw.block_bytes
+            writes.append(RankPages(w.src_rank, w.dst_rank, w.head_start, w.head_end, len(src_pages),
+                                    len(src_pages), bw.staged, bw.blocked))
             if w.src_rank == 0:
-                local.append((w, dst, descs))
+                seg = segment if w.dst_rank == 0 else self.transfer.open_segment(rank_descriptor(desc, w.dst_rank))
+                local.append(Target(seg, dst, w))
             else:
                 sub = rank_descriptor(desc, w.dst_rank)
                 remote.setdefault(w.src_rank, []).append(WriteTarget(
                     sub.SerializeToString().hex(), [dst.rank, dst.head_start, dst.head_end, dst.base, dst.length],
                     w.head_start, w.head_end))
-        writes = [RankPages(w.src_rank, w.dst_rank, w.head_start, w.head_end, len(src_pages)) for w in plan]
         bid = next(self._ids)
-        batch = self._batches[bid] = _RankBatch([], {}, nbytes, writes)
+        batch = _RankBatch(None, {}, nbytes, writes)
+        if local:
+            batch.local = self.local.start(local, src_pages, dst_pages, not_after)  # ValueError: nothing sent
+        self._batches[bid] = batch
         try:
-            for w, dst, descs in local:
-                seg = segment if w.dst_rank == 0 else self.transfer.open_segment(rank_descriptor(desc, w.dst_rank))
-                batch.local.append(self.transfer.submit(seg, descs, not_after=not_after))
             for rank, targets in remote.items():
                 cid = next(self._cmd_ids)
                 shape = [self.shape.num_layers, self.shape.page_size, self.shape.head_dim, self.shape.itemsize]
@@ -155,8 +178,8 @@ class RankWriter:
             self._collect()
         reasons = [b.failed] if b.failed else []
         pending = False
-        for lb in b.local:
-            st = self.transfer.status(lb)
+        if b.local is not None:
+            st = self.local.status(b.local)
             if st.state is State.FAILED:
                 reasons.append(st.reason)
             pending |= st.state is State.PENDING
@@ -179,7 +202,7 @@ class RankWriter:
         b = self._batches.pop(bid, None)
         if b is None:
             return
-        for lb in b.local:
-            self.transfer.release(lb)
+        if b.local is not None:
+            self.local.release(b.local)
         for cid in b.remote.values():
             self._by_cmd.pop(cid, None)
