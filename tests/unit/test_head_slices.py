@@ -1,7 +1,9 @@
-"""Per-rank KV writes (pd_common/head_slices.py, transfer_svc/rank_regions.py): the plan and its puts,
-applied byte for byte to real sharded pools (torch tensors standing in for the ranks' memory),
-rebuild exactly the pages a single-rank pool would hold; the per-rank descriptor's digest covers the
-new fields and a descriptor's regions are read back per rank."""
+"""Per-rank KV writes (pd_common/head_slices.py, transfer_svc/rank_regions.py): the plan and its puts
+(one contiguous block per page: from the P page or a gathered staging block, into the whole D page or
+head-blocked into it), applied byte for byte to real sharded pools (torch tensors standing in for the
+ranks' memory) and unblocked on D (pd_common/head_blocks.py), rebuild exactly the pages a
+single-rank pool would hold; the per-rank descriptor's digest covers the new fields and a
+descriptor's regions are read back per rank."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import ctypes
 import pytest
 import torch
 
-from pd_common.head_slices import PageShape, RankWrite, plan_rank_writes, slice_descriptors
+from pd_common.head_blocks import rank_blocks, unblock_pages
+from pd_common.head_slices import (PageShape, RankWrite, block_descriptors, block_write, head_cuts, plan_rank_writes)
 from protos import registry_pb2
 from transfer_svc.digest import descriptor_digest
 from transfer_svc.rank_regions import RankRegion, rank_descriptor, rank_regions, tp_descriptor
@@ -49,6 +52,27 @@ def regions(ts: list[torch.Tensor], tp: int) -> list[RankRegion]:
     return [RankRegion(r, lo, hi, t.data_ptr(), t.numel() * 4) for r, ((lo, hi), t) in enumerate(zip(split(KV, tp), ts))]
 
 
+def apply(plan, src_t, dst_t, src, dst, src_pages, dst_pages) -> int:
+    """Every write's descriptors applied with memmove (a staged write gathered first, as
+    pd_common/staged_writes.py does), then D's blocked pages unblocked -> descriptors used."""
+    used = 0
+    for w in plan:
+        bw = block_write(w, src[w.src_rank], dst[w.dst_rank], SHAPE)
+        staging = None
+        if bw.staged:
+            lo = bw.src_head_offset
+            staging = src_t[w.src_rank][src_pages][:, :, :, :, lo:lo + w.head_end - w.head_start].contiguous()
+        descs = block_descriptors(bw, src[w.src_rank], dst[w.dst_rank], SHAPE, src_pages, dst_pages,
+                                  staging.data_ptr() if staging is not None else None)
+        assert len(descs) == len(src_pages) and {n for _, _, n in descs} == {bw.block_bytes}
+        for la, ra, n in descs:
+            ctypes.memmove(ra, la, n)
+        used += len(descs)
+    for d, t in zip(dst, dst_t):
+        unblock_pages(t, dst_pages, rank_blocks(head_cuts(plan), d.head_start, d.head_end))
+    return used
+
+
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2), (1, 3), (3, 2), (6, 1), (2, 6)])
 def test_rank_writes_rebuild_the_delta_pages(p_tp, d_tp):
     torch.manual_seed(0)
@@ -60,23 +84,38 @@ def test_rank_writes_rebuild_the_delta_pages(p_tp, d_tp):
     for d in dst:  # every D head is written exactly once
         got = sorted(h for w in plan if w.dst_rank == d.rank for h in range(w.head_start, w.head_end))
         assert got == list(range(d.head_start, d.head_end))
-    for w in plan:
-        for la, ra, n in slice_descriptors(w, src[w.src_rank], dst[w.dst_rank], SHAPE, src_pages, dst_pages):
-            ctypes.memmove(ra, la, n)
+    apply(plan, src_t, dst_t, src, dst, src_pages, dst_pages)
     want = torch.zeros(8, LAYERS, 2, PS, KV, HD)
     want[dst_pages] = full[src_pages]
     for (lo, hi), t in zip(split(KV, d_tp), dst_t):
         assert torch.equal(t, want[:, :, :, :, lo:hi])
 
 
-def test_same_split_moves_whole_pages_and_other_splits_token_rows():
-    src = [RankRegion(0, 0, 2, 1 << 20, 10 * SHAPE.stride(2)), RankRegion(1, 2, 3, 1 << 30, 10 * SHAPE.stride(1))]
-    whole = slice_descriptors(RankWrite(0, 0, 0, 2), src[0], src[0], SHAPE, [1, 2], [3, 4])
-    assert whole == [((1 << 20) + SHAPE.stride(2), (1 << 20) + 3 * SHAPE.stride(2), SHAPE.stride(2)),
-                     ((1 << 20) + 2 * SHAPE.stride(2), (1 << 20) + 4 * SHAPE.stride(2), SHAPE.stride(2))]
-    one = RankRegion(0, 0, 3, 1 << 40, 10 * SHAPE.stride(3))
-    rows = slice_descriptors(RankWrite(1, 0, 2, 3), src[1], one, SHAPE, [0], [0])
-    assert len(rows) == 2 * LAYERS * PS and {n for _, _, n in rows} == {SHAPE.row_bytes(1)}
+@pytest.mark.parametrize("p_tp,d_tp,staged,blocked", [
+    (2, 1, [], [(0, 0), (1, 0)]),          # whole P pages into head-blocked D pages
+    (1, 2, [(0, 0), (0, 1)], []),          # P gathers each D rank's heads; whole D pages
+    (3, 2, [], [(0, 0), (1, 0)]),          # P ranks 0, 1 fill D rank 0's page in two blocks
+    (2, 2, [], []),                        # the same split: whole pages both sides
+])
+def test_every_write_is_one_contiguous_put_per_page(p_tp, d_tp, staged, blocked):
+    src = [RankRegion(r, lo, hi, (r + 1) << 32, 64 * SHAPE.stride(hi - lo)) for r, (lo, hi) in enumerate(split(KV, p_tp))]
+    dst = [RankRegion(r, lo, hi, (r + 9) << 32, 64 * SHAPE.stride(hi - lo)) for r, (lo, hi) in enumerate(split(KV, d_tp))]
+    pages = list(range(40))
+    descs, got_staged, got_blocked = 0, [], []
+    for w in plan_rank_writes(src, dst):
+        bw = block_write(w, src[w.src_rank], dst[w.dst_rank], SHAPE)
+        d = block_descriptors(bw, src[w.src_rank], dst[w.dst_rank], SHAPE, pages, pages[::-1], staging_addr=1 << 20)
+        assert len(d) == len(pages)  # the strided plan had 2 * layers * page_size per page
+        assert all(n == SHAPE.stride(w.head_end - w.head_start) for _, _, n in d)
+        dst_off = SHAPE.stride(w.head_start - dst[w.dst_rank].head_start)
+        assert d[0][1] == dst[w.dst_rank].base + 39 * SHAPE.stride(dst[w.dst_rank].heads) + dst_off
+        descs += len(d)
+        if bw.staged:
+            got_staged.append((w.src_rank, w.dst_rank))
+        if bw.blocked:
+            got_blocked.append((w.src_rank, w.dst_rank))
+    assert (got_staged, got_blocked) == (staged, blocked)
+    assert descs == len(pages) * len(plan_rank_writes(src, dst))
 
 
 def test_unmappable_heads_and_pages_are_refused():
@@ -84,8 +123,13 @@ def test_unmappable_heads_and_pages_are_refused():
     b = [RankRegion(0, 0, 3, 1 << 30, 10 * SHAPE.stride(3))]
     with pytest.raises(ValueError, match="kv head 2 of decode rank 0 is held by no prefill rank"):
         plan_rank_writes(a, b)
+    bw = block_write(RankWrite(0, 0, 0, 2), a[0], b[0], SHAPE)
     with pytest.raises(ValueError, match="outside rank 0's region of 10 pages"):
-        slice_descriptors(RankWrite(0, 0, 0, 2), a[0], b[0], SHAPE, [10], [0])
+        block_descriptors(bw, a[0], b[0], SHAPE, [10], [0])
+    with pytest.raises(ValueError, match="outside rank 0's"):
+        block_write(RankWrite(0, 0, 1, 3), a[0], b[0], SHAPE)
+    with pytest.raises(ValueError, match="need staging"):
+        block_descriptors(block_write(RankWrite(0, 0, 0, 1), a[0], b[0], SHAPE), a[0], b[0], SHAPE, [0], [0])
 
 
 def _desc(name: str, addr: bytes, base: int) -> registry_pb2.SegmentDescriptor:

@@ -8,7 +8,10 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass, field
 
+import torch
+
 from pd_common.head_slices import PageShape
+from pd_common.staged_writes import RankWrites
 from pd_common.tp_rank import WriteCommand, WriteReply
 from prefill_svc.rank_writer import RankWriter
 from protos import registry_pb2
@@ -74,7 +77,8 @@ def d_segment(heads: int = 3) -> Seg:
 def writer(group=None):
     eng = Engine()
     regions = [RankRegion(0, 0, 2, 1 << 20, 8 * SHAPE.stride(2)), RankRegion(1, 2, 3, 1 << 24, 8 * SHAPE.stride(1))]
-    return eng, RankWriter(eng, group, regions, SHAPE)
+    local = RankWrites(eng, torch.zeros(8, 2, 2, 4, 2, 2), regions[0], SHAPE, 4 * SHAPE.stride(2))
+    return eng, RankWriter(eng, group, regions, SHAPE, local)
 
 
 def test_a_failed_rank_is_reported_only_once_every_rank_stopped_writing():
@@ -83,7 +87,13 @@ def test_a_failed_rank_is_reported_only_once_every_rank_stopped_writing():
     seg = d_segment()
     assert w.per_rank(seg) and w.refusal(seg) is None
     bid, nbytes, writes = w.submit(seg, [1, 2], [5, 6], None)
-    assert [(x.src_rank, x.dst_rank, x.head_start, x.head_end, x.pages) for x in writes] == [(0, 0, 0, 2, 2), (1, 0, 2, 3, 2)]
+    # P TP=2 -> D TP=1: each P rank sends its whole pages, one put per page, head-blocked in D's
+    assert [(x.src_rank, x.dst_rank, x.head_start, x.head_end, x.pages, x.descriptors, x.staged, x.blocked)
+            for x in writes] == [(0, 0, 0, 2, 2, 2, False, True), (1, 0, 2, 3, 2, 2, False, True)]
+    assert w.head_cuts(seg) == [0, 2, 3]
+    (_, descs), = eng.submitted
+    assert descs == [((1 << 20) + 1 * SHAPE.stride(2), (1 << 30) + 5 * SHAPE.stride(3), SHAPE.stride(2)),
+                     ((1 << 20) + 2 * SHAPE.stride(2), (1 << 30) + 6 * SHAPE.stride(3), SHAPE.stride(2))]
     (rank, cmd), = group.commands
     assert rank == 1 and cmd.src_pages == [1, 2] and cmd.dst_pages == [5, 6]
     assert [(t.head_start, t.head_end) for t in cmd.targets] == [(2, 3)]
@@ -91,7 +101,7 @@ def test_a_failed_rank_is_reported_only_once_every_rank_stopped_writing():
     assert w.status(bid).state is State.PENDING  # rank 1 may still be writing D's pages
     group.queues[1].put(WriteReply(cmd.id, True, puts=16, nbytes=128).encode())
     st = w.status(bid)
-    assert st.state is State.FAILED and st.reason == "peer gone"
+    assert st.state is State.FAILED and st.reason == "rank 0: peer gone"
     w.release(bid)
     assert eng.released == [1]
 
