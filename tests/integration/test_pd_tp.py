@@ -9,6 +9,10 @@ pair, the default model (SmolLM2-135M: 3 kv heads, so TP=2 splits them 2 + 1). O
   every (P rank, D rank) write of a batch moves all of its pages, of the heads that D rank holds
   (each D head exactly once); idle accounting on P and D afterwards (the ranks 1..N-1 own no pages:
   rank 0's allocator places every page of every rank);
+* a long prompt (a delta of 67 pages) moves as one put per page per rank write (the strided per-row
+  plan this replaced was 960 per page: seconds per batch): whole P pages head-blocked into D's
+  (2 -> 1, D unblocks them), P's gathered head slices into whole D pages (1 -> 2), whole pages
+  (2 -> 2); tokens equal the co-located engine's;
 * a follower rank SIGKILLed mid-request: its worker exits within seconds and deregisters, the
   request ends instead of hanging, the peer worker keeps serving and ends idle.
 """
@@ -34,6 +38,7 @@ PAGE = 16
 MAX_TOKENS = 8
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    ",
          "Once upon a time, in a land far away, there lived a king who had three daughters. The youngest"]
+LONG_PAGES = 67  # the long prompt's delta: past 64 pages of 16 tokens
 SHARED = ("A long shared system prompt: you are a careful assistant who answers questions about "
           "geography, history and science in short sentences. Question:")
 
@@ -47,15 +52,19 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    """TEXTS, then two prompts sharing SHARED's first pages."""
+    """TEXTS, then two prompts sharing SHARED's first pages, then a prompt of LONG_PAGES pages."""
     ids = [tokenizer(t)["input_ids"] for t in TEXTS]
     ids += [tokenizer(SHARED + q)["input_ids"] for q in (" What is the tallest mountain?", " Who built Rome?")]
+    words = " ".join(f"Record {i}: the river {i % 7} flows past town {i * 13 % 97}." for i in range(200))
+    long = tokenizer(words)["input_ids"][:LONG_PAGES * PAGE - 5]
+    ids.append(long + tokenizer(" Which town comes last?")["input_ids"][:5])
+    assert -(-len(ids[-1]) // PAGE) == LONG_PAGES
     return ids
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir, prompts):
-    eng = Engine(str(model_dir), page_size=PAGE, num_pages=64, max_running_requests=8, torch_threads=1)
+    eng = Engine(str(model_dir), page_size=PAGE, num_pages=160, max_running_requests=8, torch_threads=1)
     try:
         return [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))]
     finally:
@@ -122,6 +131,26 @@ def test_a_shared_prefix_moves_only_the_delta_through_every_rank_pair(stack, pro
     assert_idle_accounting(stack)
     for proc in (stack.prefill, stack.decode):
         assert_clean_log(proc)
+
+
+def test_a_long_delta_moves_one_put_per_page_per_rank_write(stack, prompts, reference):
+    res = stack.driver.generate(prompts[5], MAX_TOKENS)
+    assert res.ok, (res.decode_error, res.prefill_error)
+    assert res.tokens == reference[5]
+    p_tp, d_tp = stack.tp
+    batches = [r for r in stack.transfer_records() if r["event"] == "batch" and r["room"] == res.room]
+    assert [p for b in batches for p in b["logical_pages"]] == list(range(LONG_PAGES))  # no hit: all of it
+    # [p_rank, d_rank, head_start, head_end, pages, descriptors, staged, blocked]
+    modes = {(2, 1): (0, 1), (1, 2): (1, 0), (2, 2): (0, 0)}[(p_tp, d_tp)]
+    for b in batches:
+        n = len(b["logical_pages"])
+        for w in b["rank_writes"]:
+            assert w[4] == n and w[5] == n, w  # one descriptor per page (strided: 2 * 30 * 16 per page)
+            assert (w[6], w[7]) == modes, w
+    notice = [r for r in stack.transfer_records() if r["event"] == "notice" and r["room"] == res.room]
+    assert notice and notice[0]["ok"] and notice[0]["pages_sent"] == LONG_PAGES
+    assert res.chunks[-1].kv_pages_transferred == LONG_PAGES
+    assert_idle_accounting(stack)
 
 
 def test_a_killed_rank_takes_its_worker_down_and_nothing_hangs(stack, prompts):
