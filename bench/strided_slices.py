@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pd_common.head_slices import PageShape, RankWrite, check_pages
-from transfer_svc.rank_regions import RankRegion
+from pd_common import PageShape, RankRegion, RankWrite, check_pages
 
 
 def slice_descriptors(write: RankWrite, src: RankRegion, dst: RankRegion, shape: PageShape,

@@ -43,8 +43,7 @@ from bench.transfer_peers import ROOT
 from bench.transfer_worker import Proc
 from bench.tp_transfer_worker import ITEM, SHAPE
 from engine.distributed.shard import even_split
-from pd_common import RankRegion, head_cuts, plan_rank_writes
-from pd_common.head_blocks import rank_blocks
+from pd_common import RankRegion, head_cuts, plan_rank_writes, rank_blocks
 
 HEADS, RUN = 3, 8
 PAGE_BYTES = SHAPE.stride(HEADS)

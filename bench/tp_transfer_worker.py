@@ -120,7 +120,7 @@ class Rank:
     def run_blocked(self, writes: list[dict], src_pages: list[int], dst_pages: list[int], t0: float) -> dict:
         """Serving's path: every write one block per page, gathered through the rank's staging area
         where it sends only some of its heads (pd_common/staged_writes.py, its default 64 MiB)."""
-        from pd_common.staged_writes import DEFAULT_STAGING_MB, RankWrites, Target
+        from pd_common import DEFAULT_STAGING_MB, RankWrites, Target
 
         if self.writes is None:
             self.writes = RankWrites(self.eng, self.pool, self.region(), SHAPE, DEFAULT_STAGING_MB << 20)
@@ -137,7 +137,7 @@ class Rank:
                 "staging_peak": self.writes.staging.peak, "staging_in_use": self.writes.staging.in_use}
 
     def unblock(self, blocks: list[list[int]], dst_pages: list[int]) -> float:
-        from pd_common.head_blocks import unblock_pages
+        from pd_common import unblock_pages
 
         t0 = time.monotonic()
         unblock_pages(self.pool, dst_pages, blocks)
