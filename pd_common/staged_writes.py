@@ -227,6 +227,8 @@ class RankWrites:
         if job.staged is not None:
             if not job.staged.done():
                 pending = True
+            elif job.staged.exception() is not None:  # waiting for a batch raised: it says why
+                reasons.append(f"rank {self.me.rank}: staged KV write failed: {job.staged.exception()}")
             elif job.staged.result():
                 reasons.append(job.staged.result())
         if pending:
@@ -241,7 +243,7 @@ class RankWrites:
         for bid in job.bids:
             self.engine.wait(bid)
         if job.staged is not None:
-            job.staged.result()
+            job.staged.exception()  # waits; status() reports what it raised
         return self.status(jid)
 
     def puts(self, jid: int) -> tuple[int, int]:

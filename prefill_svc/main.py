@@ -12,10 +12,11 @@ from pd_common.worker_runtime import Worker, add_common_arguments, engine_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.engine_args import positive_float
     from pd_common.staged_writes import DEFAULT_STAGING_MB
 
     add_common_arguments(parser, "prefill")
-    parser.add_argument("--kv-staging-mb", type=float, default=float(DEFAULT_STAGING_MB),
+    parser.add_argument("--kv-staging-mb", type=positive_float, default=float(DEFAULT_STAGING_MB),
                         help="per rank: the registered buffer a rank gathers a kv-head slice of the delta "
                              "pages into when it sends a decode rank only some of its heads (P and D split "
                              "the heads differently); at least two pages of the rank's heads")
@@ -34,8 +35,6 @@ def run(args: argparse.Namespace) -> int:
     from pd_common.staged_writes import RankWrites
     from prefill_svc.rank_writer import RankWriter
 
-    if not args.kv_staging_mb > 0:
-        raise SystemExit(f"error: --kv-staging-mb must be positive, got {args.kv_staging_mb:g}")
     runner = ModelRunner(engine_config(args, args.max_running_requests, args.disable_radix_cache),
                          follower=w.follower_spec())
     transfer = w.start_transfer(runner)
@@ -64,5 +63,5 @@ def run(args: argparse.Namespace) -> int:
     w.publish_and_serve()
     w.wait_for_signal()
     w.drain(servicer.drain)
-    w.shutdown(lambda: (sched.stop(), runner.close()))
+    w.shutdown(lambda: (sched.stop(), staged.close() if staged is not None else None, runner.close()))
     return 1 if w.fatal else 0
