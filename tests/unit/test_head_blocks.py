@@ -26,7 +26,7 @@ def blocked(pages: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("sizes", [[2, 1], [1, 2], [1, 1, 1], [3, 4, 1]])
 def test_unblock_rebuilds_the_token_major_pages_exactly(dtype, sizes):
     torch.manual_seed(sum(sizes))
-    heads, n_pages = sum(sizes), 150  # more pages than one copy chunk
+    heads, n_pages = sum(sizes), 150  # many copy chunks, the last one partial
     want = torch.randn(n_pages, LAYERS, 2, PS, heads, HD).to(dtype)
     pool = want.clone()
     pages = torch.randperm(n_pages)[:100].tolist()
