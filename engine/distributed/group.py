@@ -12,8 +12,8 @@ frame without a timeout (an idle engine sends nothing), and sees rank 0's death 
 (the kernel closes it with the process). Collectives run under ``timeout_s``, so no rank waits for
 a dead or stopped peer longer than that.
 
-A worker's own per-rank work (its KV writes to a peer, under P/D disaggregation) travels the same
-pipe as a *command* frame: opaque bytes that the follower hands to ``on_command`` in order with the
+A worker's own per-rank work (under P/D disaggregation: its KV writes to a peer, rewriting received
+pages, accounting queries) travels the same pipe as a *command* frame: opaque bytes that the follower hands to ``on_command`` in order with the
 batches (so a write command sent after a forward reads what that forward wrote). Followers answer
 on a reply pipe (length-prefixed bytes), which rank 0 reads on one thread per follower into
 ``replies(rank)``. A worker picks its own follower program (``FollowerSpec``), which runs the same
