@@ -107,7 +107,7 @@ class DecodeScheduler(SchedulerLoop):
                                                                          enable_events=True)
         self.event_cache = cache
         self.cpu_share = cpu_share
-        self.page_sums = PageChecksums(runner.kv_pool) if checksums and cache.enabled else None
+        self.page_sums = PageChecksums(runner) if checksums and cache.enabled else None
         self.kv = CacheManager(alloc, runner.req_to_token_pool, cache, on_evict=M.DECODE_EVICTED_PAGES.inc,
                                on_cached=self.page_sums and self.page_sums.record)
         self.jobs: dict[int, DecodeJob] = {}  # every live job by room, in arrival order
