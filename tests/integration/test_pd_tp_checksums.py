@@ -80,7 +80,7 @@ def _corrupt_follower_page(stack, decode: str, page: int) -> int:
     kv head 2, the rank's only head), as a stray write would; returns the rank's pid."""
     with grpc.insecure_channel(stack.registry.address) as ch:
         desc = registry_pb2_grpc.RegistryStub(ch).GetSegment(
-            registry_pb2.GetSegmentRequest(name=decode), timeout=10).descriptor
+            registry_pb2.GetSegmentRequest(name=decode), timeout=10).worker.segment
     region = rank_regions(desc)[1]
     assert (region.head_start, region.head_end) == (2, 3)
     addr = region.base + page * PageShape.from_layout(desc.kv_layout).stride(region.heads)
