@@ -178,6 +178,8 @@ class KVWaitQueue:
             return ServiceError(grpc.StatusCode.DATA_LOSS,
                                 f"KV checksums of room {job.room}: {len(got)} sent, {len(pages)} pages x "
                                 f"{heads} kv heads expected")
+        if not pages:  # a full prefix hit: nothing was sent
+            return None
         try:
             ranks = every_rank_sums(self.runner, pages)
         except (TimeoutError, TPRankDied, ValueError) as e:

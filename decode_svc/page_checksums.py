@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from engine.distributed.group import TPRankDied
 from engine.kvcache.cache_manager import CacheManager, KVLease
 from pd_common.rank_checksums import RankSums, every_rank_sums
 from telemetry import metrics as M
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
 
 log = logging.getLogger("halfmoon.decode")
 
@@ -44,7 +48,7 @@ class PageChecksums:
         timeout_s: how long a follower may take to answer a query.
     """
 
-    def __init__(self, runner, timeout_s: float = 10.0):
+    def __init__(self, runner: ModelRunner, timeout_s: float = 10.0):
         self.runner = runner
         self.timeout_s = timeout_s
         self._sums: dict[int, PageSums | None] = {}  # None: recorded without sums (a rank did not answer)

@@ -15,10 +15,13 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pd_common.head_checksums import head_checksums
 from pd_common.rank_accounting import await_reply
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
 
 KIND = "head_sums"  # the "kind" of a query and its reply on the TP command / reply pipes
 
@@ -66,7 +69,7 @@ def is_head_sums(payload: dict) -> bool:
     return payload.get("kind") == KIND
 
 
-def heads_of(runner) -> tuple[int, int]:
+def heads_of(runner: ModelRunner) -> tuple[int, int]:
     """``[head_start, head_end)``: the global kv heads ``runner``'s pool holds."""
     if getattr(runner, "tp_shard", None) is not None:
         lo, hi = runner.tp_shard.kv_heads
@@ -74,7 +77,7 @@ def heads_of(runner) -> tuple[int, int]:
     return 0, int(runner.kv_pool.num_kv_heads)
 
 
-def answer(query: dict, rank: int, runner) -> HeadSumReply:
+def answer(query: dict, rank: int, runner: ModelRunner) -> HeadSumReply:
     """A follower's reply to a decoded ``HeadSumQuery`` (never raises: a malformed query or a page
     out of range is the reply's ``error``)."""
     lo, hi = heads_of(runner)
@@ -89,7 +92,7 @@ def answer(query: dict, rank: int, runner) -> HeadSumReply:
 _ids = itertools.count(1)  # query ids, one sequence per process
 
 
-def every_rank_sums(runner, pages: Sequence[int], timeout_s: float = 10.0) -> list[RankSums]:
+def every_rank_sums(runner: ModelRunner, pages: Sequence[int], timeout_s: float = 10.0) -> list[RankSums]:
     """Every rank's sums of ``pages`` (physical ids), rank order; one rank: rank 0's alone. Call
     from the thread that runs the forwards (the queries travel behind every batch sent before).
 
