@@ -47,9 +47,10 @@ def stack(tmp_path_factory):
     if not model_available():
         pytest.skip("default model not pulled")
     logs = tmp_path_factory.mktemp("tpsums")
-    # prefill-1 has no --kv-checksums: it sends them because D asks (KVDestination.want_checksums)
+    # prefill-1 has no --kv-checksums: it sends them because D asks (KVDestination.want_checksums);
+    # decode-1 runs the overlap schedule, so its rank-sum queries go out between overlapped steps
     with start_stack(logs, prefill_extra=["--tp", "2", *SUMS], decode_extra=SUMS,
-                     more_decodes={"decode-1": ["--tp", "2", *SUMS]}) as st:
+                     more_decodes={"decode-1": ["--tp", "2", "--overlap-schedule", "on", *SUMS]}) as st:
         more = [start_worker("prefill", st.registry.address, logs, "prefill-1", wait=False,
                              extra=["--transfer-log", str(logs / "transfer-p1.jsonl")])]
         os.environ["HALFMOON_TEST_PUT_DELAY_S"] = str(PUT_DELAY)  # copied by the spawn, inherited by rank 1
@@ -97,7 +98,9 @@ def test_greedy_tokens_with_checksums_equal_the_colocated_engine(stack, pair, pr
     for r in got:  # every batch went rank by rank (P or D runs two ranks)
         batches = [b for b in records if b.get("room") == r.room and b["event"] == "batch"]
         assert batches and all(b["rank_writes"] for b in batches), batches
-    assert "checksum mismatch" not in stack.workers[PAIRS[pair][1]].log()
+    d_log = stack.workers[PAIRS[pair][1]].log()
+    assert "checksum mismatch" not in d_log
+    assert f"overlap schedule: {'on' if PAIRS[pair][1] == 'decode-1' else 'off'}" in d_log
 
 
 def _corrupt_follower_page(stack, worker: str, page: int) -> int:
