@@ -7,8 +7,9 @@ the prebuilt batch's ``out_cache_loc = req_to_token[row, pre_len:prompt_len]`` (
 never ``row[:n]``, which are the prefix's when D had a hit); then the prompt's full pages go into
 D's radix cache and the request moves on with P's first token. The checksums are verified last,
 after every step that puts the delta's bytes in their final place, so the followers' queries
-travel behind any command such a step sent them. This queue also follows SetDestination outcomes, fails requests whose KV does not come in
-time, and polls the liveness of the prefill workers that may still write D's pages.
+travel behind any command such a step sent them. This queue also follows SetDestination
+outcomes, fails requests whose KV does not come in time, and polls the liveness of the prefill
+workers that may still write D's pages.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@
   pages go, so a middle chunk never sends a partial last page. Each send is one batch with one
   descriptor per (src, dst) page run per K/V buffer (``kv_runs``).
 * notice: after the last batch the ok ``KVNotice`` (first token, sampler state, optional
-  per-(page, kv head) checksums, ``pd_common.head_checksums``) is queued with ``send_notify``; the transport delivers it only after every earlier
-  batch to that segment completed, and fails it if one failed.
+  per-(page, kv head) checksums, ``pd_common.head_checksums``) is queued with ``send_notify``;
+  the transport delivers it only after every earlier batch to that segment completed, and fails
+  it if one failed.
 * A job's pages stay allocated while any of its batches or its notice may still read them.
 * Tensor parallelism (P or D runs several ranks): each batch is a ``RankWriter`` rank batch, one
   write per (P rank, D rank, kv-head range) on the writing rank's engine; the notice is queued only

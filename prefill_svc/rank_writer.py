@@ -96,7 +96,7 @@ class RankWriter:
 
         Raises:
             ValueError / DescriptorError: D's kv heads cannot be mapped onto P's, or a page is out
-                of range (nothing was submitted).
+                of range, or checksums were asked without ``kv_pool`` (nothing was submitted).
             TransferError, TPRankDied: a write could not be queued (earlier writes of the batch may
                 have been; the rank batch is FAILED then and still needs ``release``).
         """
@@ -119,12 +119,15 @@ class RankWriter:
                     sub.SerializeToString().hex(), [dst.rank, dst.head_start, dst.head_end, dst.base, dst.length],
                     w.head_start, w.head_end))
         writes = [RankPages(w.src_rank, w.dst_rank, w.head_start, w.head_end, len(src_pages)) for w in plan]
-        bid = next(self._ids)
-        batch = self._batches[bid] = _RankBatch([], {}, nbytes, writes)
+        own_sums: HeadSums = {}
         if checksums:  # before the puts read the pages (computed by now, they no longer change)
+            if self.kv_pool is None:
+                raise ValueError("checksums asked of a rank writer without rank 0's KV pool")
             heads = sorted({h for w, _, _ in local for h in range(w.head_start, w.head_end)})
             lo = self.regions[0].head_start
-            batch.sums = by_head(head_checksums(self.kv_pool, src_pages, [h - lo for h in heads]), heads)
+            own_sums = by_head(head_checksums(self.kv_pool, src_pages, [h - lo for h in heads]), heads)
+        bid = next(self._ids)
+        batch = self._batches[bid] = _RankBatch([], {}, nbytes, writes, sums=own_sums)
         try:
             for w, dst, descs in local:
                 seg = segment if w.dst_rank == 0 else self.transfer.open_segment(rank_descriptor(desc, w.dst_rank))
