@@ -6,9 +6,10 @@ own transfer engine (``<worker-id>#rank<r>``) with its KV shard registered, and 
 segment descriptor as its first reply; rank 0 folds it into the worker's one descriptor
 (transfer_svc/rank_regions.py). On a prefill worker rank 0 then sends it *write commands*
 (``WriteCommand``, JSON): the pages and D ranks to write this rank's kv heads into. The rank submits
-them on its own engine and replies once every put completed or one failed (``WriteReply``), which
-rank 0 needs before it sends D the notice. On P and D it answers rank 0's accounting queries
-(``pd_common.rank_accounting``).
+them on its own engine and replies once every put completed or one failed (``WriteReply``, with
+the per-(page, kv head) checksums of the heads it wrote when the command asks), which rank 0 needs
+before it sends D the notice. On P and D it answers rank 0's accounting queries
+(``pd_common.rank_accounting``) and, on D, its checksum queries (``pd_common.rank_checksums``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from engine.distributed.follower import parse_args, run_follower
+from pd_common import rank_checksums
+from pd_common.head_checksums import head_checksums
 from pd_common.head_slices import PageShape, RankWrite, slice_descriptors
 from pd_common.rank_accounting import answer, is_accounting
 from protos import registry_pb2
@@ -58,6 +61,7 @@ class WriteCommand:
     dst_pages: list[int]
     not_after: float | None  # time.monotonic() seconds (one clock for the processes of a host)
     shape: list[int] = field(default_factory=list)  # PageShape fields
+    checksums: bool = False  # reply with the written heads' sums of src_pages (--kv-checksums)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -75,11 +79,16 @@ class WriteCommand:
 
 @dataclass
 class WriteReply:
+    """``sums[i][k]``: crc32 of src page ``k`` for global kv head ``sum_heads[i]`` (the heads this
+    rank wrote; empty unless the command asked, ``pd_common.head_checksums``)."""
+
     id: int
     ok: bool
     reason: str = ""
     puts: int = 0
     nbytes: int = 0
+    sum_heads: list[int] = field(default_factory=list)
+    sums: list[list[int]] = field(default_factory=list)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -112,16 +121,21 @@ class WriteAgent:
             if is_accounting(d):  # rank 0 asks what this rank's pool and page table hold
                 self.group.reply(answer(d, self.me.rank, self.runner, self.group.batches).encode())
                 return
+            if rank_checksums.is_head_sums(d):  # D's rank 0 checks pages of every rank's heads
+                self.group.reply(rank_checksums.answer(d, self.me.rank, self.runner).encode())
+                return
             cmd = WriteCommand.from_json(d)
         except (ValueError, TypeError, KeyError) as e:
             log.error("tensor-parallel rank %d: unreadable write command: %s", self.group.rank, e)
             return
-        bids, puts, nbytes = [], 0, 0
+        bids, puts, nbytes, sums = [], 0, 0, ([], [])
         try:
             if self.runner.device.type == "cuda":  # the forward's KV writes land before UCX reads them
                 import torch
 
                 torch.cuda.current_stream(self.runner.device).synchronize()
+            if cmd.checksums:
+                sums = self.written_sums(cmd)
             shape = PageShape(*cmd.shape)
             for t in cmd.targets:
                 desc = registry_pb2.SegmentDescriptor.FromString(bytes.fromhex(t.desc_hex))
@@ -134,9 +148,17 @@ class WriteAgent:
         except Exception as e:  # SegmentClosed, BoundsError, DescriptorError, ValueError: say so to rank 0
             self._waits.submit(self._finish, cmd.id, bids, 0, 0, f"rank {self.me.rank}: {e}")
             return
-        self._waits.submit(self._finish, cmd.id, bids, puts, nbytes, "")
+        self._waits.submit(self._finish, cmd.id, bids, puts, nbytes, "", sums)
 
-    def _finish(self, cid: int, bids: list[int], puts: int, nbytes: int, error: str) -> None:
+    def written_sums(self, cmd: WriteCommand) -> tuple[list[int], list[list[int]]]:
+        """(global kv heads this command writes, ascending; ``sums[i][k]``: src page ``k``'s crc32
+        for head ``i``), computed before the puts read the pages (they no longer change)."""
+        heads = sorted({h for t in cmd.targets for h in range(t.head_start, t.head_end)})
+        per_page = head_checksums(self.runner.kv_pool, cmd.src_pages, [h - self.me.head_start for h in heads])
+        return heads, [[row[i] for row in per_page] for i in range(len(heads))]
+
+    def _finish(self, cid: int, bids: list[int], puts: int, nbytes: int, error: str,
+                sums: tuple[list[int], list[list[int]]] = ([], [])) -> None:
         reasons = [error] if error else []
         for bid in bids:
             st = self.engine.wait(bid)
@@ -144,7 +166,7 @@ class WriteAgent:
             if st.state is not State.COMPLETED:
                 reasons.append(f"rank {self.me.rank}: {st.reason or st.state.name}")
         try:
-            self.group.reply(WriteReply(cid, not reasons, "; ".join(reasons), puts, nbytes).encode())
+            self.group.reply(WriteReply(cid, not reasons, "; ".join(reasons), puts, nbytes, *sums).encode())
         except OSError:
             pass  # rank 0 is gone: this rank exits with the control pipe
 

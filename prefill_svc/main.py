@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
                              lease_valid_for=w.registry.lease_valid_for,
                              lease_fence_margin_s=args.lease_fence_margin, cpu_share=w.cpu_share,
                              rank_writer=RankWriter(transfer, runner.tp, w.rank_regions,
-                                                    PageShape.from_layout(w.layout)))
+                                                    PageShape.from_layout(w.layout), runner.kv_pool))
     w.attach_kv_events(sched)
     sched.start()
     servicer = PrefillServicer(sched, transfer, args.worker_id, vocab_size=runner.vocab_size,
