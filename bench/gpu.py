@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--iters-prefill", type=int, default=5)
     p.add_argument("--prefill-tokens", type=int, default=8192)
+    p.add_argument("--prefill-backends", default="fa2,fa3",
+                   help="kernels of the paged prefill wrapper to time besides the default (comma list)")
     p.add_argument("--ref-layers", type=int, default=4, help="layers of the shapes compared with transformers")
     p.add_argument("--transfer-reps", type=int, default=5)
     p.add_argument("--transfer-busy-poll", action="store_true",
@@ -116,6 +118,14 @@ def table(res: dict) -> str:
         lines.append(f"prefill {pf['tokens']} tok: {pf['ms']:.1f} ms, floor {pf['floor_ms']:.1f} ms "
                      f"({pf['frac_of_floor']:.1%}, {pf['achieved_TFLOPs']:.0f} TFLOP/s); 4 chunks "
                      f"{pf['chunked_4x_ms']:.1f} ms ({pf['chunked_frac_of_floor']:.1%})")
+        for pb, modes in pf.get("by_prefill_backend", {}).items():
+            for mode, r in modes.items():
+                if "ms" in r:
+                    lines.append(f"  paged kernels {pb:4s} extend {mode:6s}: whole {r['ms']:.1f} ms "
+                                 f"({pf['floor_ms'] / r['ms']:.1%}), 4 chunks {r['chunked_4x_ms']:.1f} ms "
+                                 f"({pf['floor_ms'] / r['chunked_4x_ms']:.1%})")
+                else:
+                    lines.append(f"  paged kernels {pb:4s} extend {mode:6s}: {r.get('error')}")
     cr = res.get("correctness")
     if cr and "backend_vs_torch" in cr:
         lines.append(f"flashinfer vs torch: {cr['backend_vs_torch']}")

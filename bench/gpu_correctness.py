@@ -91,10 +91,11 @@ def model_vs_transformers(shape: str, layers: int, dtype_name: str, tmpdir: str,
 
 
 def backend_vs_torch(page_size: int = 16, seed: int = 0, extend_mode: str = "ragged",
-                     layout: str = "page_major") -> dict:
+                     layout: str = "page_major", prefill_backend: str | None = None) -> dict:
     """flashinfer vs torch attention on the same pool: an extend batch over cached prefixes (one
     request without a prefix, unaligned prefixes), an extend batch with no prefix at all, and a decode
-    batch (Llama-3.1-8B heads, bf16). Returns rel. errors."""
+    batch (Llama-3.1-8B heads, bf16); ``prefill_backend``: the paged prefill kernels (default: the
+    backend's). Returns rel. errors."""
     from engine.attention.flashinfer_backend import FlashInferAttentionBackend
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.forward_batch import ForwardBatch, ForwardMode
@@ -109,7 +110,7 @@ def backend_vs_torch(page_size: int = 16, seed: int = 0, extend_mode: str = "rag
     pool.v_buffers[0].normal_()
     alloc = PageAllocator(512, page_size, dev)
     r2t = ReqToTokenPool(8, 2048, dev)
-    fi = FlashInferAttentionBackend(pool, r2t, H, KVH, D, extend_mode=extend_mode)
+    fi = FlashInferAttentionBackend(pool, r2t, H, KVH, D, extend_mode=extend_mode, prefill_backend=prefill_backend)
     tb = TorchAttentionBackend(pool, r2t, H, KVH, D)
     # pages handed out in a shuffled order so page tables are not the identity
     alloc._free = [int(p) for p in torch.randperm(512)]

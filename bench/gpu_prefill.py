@@ -1,5 +1,6 @@
 """Prefill section of the GPU benchmark: one 8192-token prompt (and 4 x 2048-token chunks over the
-cached prefix) vs the floor FLOPs / GEMM rate, per flashinfer extend mode; FLOPs = 2 * tokens *
+cached prefix) vs the floor FLOPs / GEMM rate, per flashinfer extend mode and per kernel set of the
+paged prefill wrapper (``--prefill-backends``, e.g. fa2,fa3); FLOPs = 2 * tokens *
 linear params + 2 * T^2 * head_dim * heads * layers (causal attention, QK^T and PV) + the LM
 head of the last token."""
 
@@ -40,18 +41,29 @@ def prefill(args) -> dict:
         for c in chunks:
             runner.forward(c)
 
-    by_mode = {}
-    default_mode = runner.backend.extend_mode
-    for mode in ("paged", default_mode) if default_mode != "paged" else ("paged",):
+    def timed(mode: str) -> dict:
         runner.backend.extend_mode = mode  # read by init_forward at each batch
         try:
             whole = statistics.median(events_ms(lambda: runner.forward(batch), args.iters_prefill, warmup=2))
             parts = statistics.median(events_ms(chunked, args.iters_prefill, warmup=1))
-            by_mode[mode] = {"ms": whole, "chunked_4x_ms": parts}
+            return {"ms": whole, "chunked_4x_ms": parts}
         except Exception as e:  # noqa: BLE001 - a failing kernel path is a result too
-            by_mode[mode] = {"error": repr(e)[:300]}
-        print(f"prefill extend_mode={mode}: {by_mode[mode]}", flush=True)
+            return {"error": repr(e)[:300]}
+
+    default_mode, default_pb = runner.backend.extend_mode, runner.backend.prefill_backend
+    modes = ("paged", default_mode) if default_mode != "paged" else ("paged",)
+    # the paged wrapper's kernels: the whole row in "paged" mode, the cached prefix in "ragged" mode
+    pbs = [pb for pb in dict.fromkeys([default_pb, *getattr(args, "prefill_backends", "").split(",")]) if pb]
+    by_pb: dict[str, dict] = {}
+    for pb in pbs:
+        runner.backend.set_prefill_backend(pb)
+        by_pb[pb] = {}
+        for mode in modes:
+            by_pb[pb][mode] = timed(mode)
+            print(f"prefill prefill_backend={pb} extend_mode={mode}: {by_pb[pb][mode]}", flush=True)
     runner.backend.extend_mode = default_mode
+    runner.backend.set_prefill_backend(default_pb)
+    by_mode = by_pb[default_pb]
     ms, ms_chunked = by_mode[default_mode]["ms"], by_mode[default_mode]["chunked_4x_ms"]
     floor_ms = flops / args.gemm_rate * 1e3
     from torch.profiler import ProfilerActivity
@@ -67,7 +79,8 @@ def prefill(args) -> dict:
     out = {"kernels_top_ms": top, "tokens": T, "flops": flops, "linear_params": lin, "attn_flops": attn_flops, "ms": ms,
            "floor_ms": floor_ms, "frac_of_floor": floor_ms / ms, "achieved_TFLOPs": flops / ms / 1e9,
            "chunked_4x_ms": ms_chunked, "chunked_frac_of_floor": floor_ms / ms_chunked,
-           "extend_mode": default_mode, "by_extend_mode": by_mode}
+           "extend_mode": default_mode, "prefill_backend": default_pb, "by_extend_mode": by_mode,
+           "by_prefill_backend": by_pb}
     print(json.dumps(out), flush=True)
     del runner
     torch.cuda.empty_cache()

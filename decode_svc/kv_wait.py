@@ -3,11 +3,14 @@
 On P's notice the delta is checked and committed, all over the delta's slots ``out_cache_loc =
 req_to_token[row, pre_len:prompt_len]`` (the slots P filled; never ``row[:n]``, which are the
 prefix's when D had a hit): the notice's page count; then, under tensor parallelism, the pages P
-wrote head-blocked are rewritten token-major on every rank (``pd_common.head_blocks``); then the
-checksums with ``--kv-checksums``; then the prompt's full pages go into D's radix cache and the
-request moves on with P's first token. This queue also follows SetDestination outcomes, fails
-requests whose KV does not come in time, and polls the liveness of the prefill workers that may
-still write D's pages.
+wrote head-blocked are rewritten token-major on every rank (``pd_common.head_blocks``); then (with
+``--kv-checksums``) its per-(page, kv head) checksums against every rank's heads of the same pages
+(rank 0's own, each follower's over the TP command pipe: ``pd_common.rank_checksums``); then the
+prompt's full pages go into D's radix cache and the request moves on with P's first token. The
+checksums are verified last, after every step that puts the delta's bytes in their final place
+(the unblock), so the followers' queries travel behind any command such a step sent them. This
+queue also follows SetDestination outcomes, fails requests whose KV does not come in time, and
+polls the liveness of the prefill workers that may still write D's pages.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from decode_svc.jobs import DecodeJob, DestState, JobState
 from decode_svc.messages import DestResult, Notice, PeerGone, PrefillNet
 from decode_svc.prebuilt import delta_pages, prebuilt_out_cache_loc
 from decode_svc.quarantine import Quarantine
+from engine.distributed.group import TPRankDied
 from engine.kvcache.cache_manager import CacheManager
 from engine.sampler import make_generator
 from pd_common.head_blocks import HeadUnblocker
-from pd_common.protocol import ServiceError, page_checksums
+from pd_common.head_checksums import mismatches
+from pd_common.protocol import ServiceError
+from pd_common.rank_checksums import every_rank_sums
 from protos import common_pb2, prefill_pb2
 from telemetry import metrics as M
 
@@ -49,7 +55,7 @@ class KVWaitQueue:
         net: toward prefill workers (abort, liveness).
         quarantine: rooms whose pages P may still write (their notices and results are its own).
         fail: ends a job with an error (the scheduler's, which also quarantines and aborts on P).
-        checksums: verify ``KVNotice.page_checksums`` over the destination pages.
+        checksums: verify ``KVNotice.head_checksums`` over the destination pages, every rank's heads.
         timeout_s: a request waiting for KV this long fails with DEADLINE_EXCEEDED.
         liveness_interval_s: seconds between liveness checks of the prefill workers.
     """
@@ -133,6 +139,11 @@ class KVWaitQueue:
         if error:
             self._fail(job, ServiceError(grpc.StatusCode.DATA_LOSS, error))
             return None
+        if self.checksums:
+            failure = self.verify_checksums(job, notice)
+            if failure is not None:
+                self._fail(job, failure)
+                return None
         # replay P's first token into D's fresh matcher: the same grammar and token give P's state
         if job.grammar is not None and not job.grammar.accept(int(notice.first_token_id)):
             self._fail(job, ServiceError(grpc.StatusCode.INTERNAL, f"prefill's first token "
@@ -142,11 +153,15 @@ class KVWaitQueue:
         wants_lp = job.params.logprobs or job.params.top_logprobs
         return job, int(notice.first_token_id), notice.first_logprob if wants_lp else None
 
-    def _check_delta(self, job: DecodeJob, notice: prefill_pb2.KVNotice) -> str:
-        """What is wrong with the delta P says it sent ("" when nothing); records the transfer."""
+    def _delta_pages(self, job: DecodeJob) -> list[int]:
+        """The physical pages P filled: those of ``row[pre_len:prompt_len]``."""
         lease, n = job.lease, len(job.prompt_ids)
         loc = prebuilt_out_cache_loc(self.kv.r2t.req_to_token, lease.row, lease.pre_len, n - lease.pre_len)
-        pages = delta_pages(loc, self.kv.page_size)
+        return delta_pages(loc, self.kv.page_size)
+
+    def _check_delta(self, job: DecodeJob, notice: prefill_pb2.KVNotice) -> str:
+        """What is wrong with the delta's size P reports ("" when nothing); records the transfer."""
+        pages = self._delta_pages(job)
         if notice.pages_sent != len(pages):
             return f"prefill sent {notice.pages_sent} pages, {len(pages)} expected"
         # before anything reads the pages (checksums, the commit): every rank's head-blocked pages
@@ -155,13 +170,38 @@ class KVWaitQueue:
         if error:
             return f"prefill's KV of room {job.room}: {error}"
         pool = self.runner.kv_pool
-        if self.checksums and list(notice.page_checksums) != page_checksums(pool, pages):
-            return f"KV checksum mismatch on room {job.room}"
         job.pages_transferred = len(pages)
         # every rank's kv heads (this pool, rank 0's under tensor parallelism, holds only its own)
         heads = self.runner.model_config.num_kv_heads
         job.bytes_transferred = len(pages) * pool.page_bytes // pool.num_kv_heads * heads * 2 * pool.num_layers
         return ""
+
+    def verify_checksums(self, job: DecodeJob, notice: prefill_pb2.KVNotice) -> ServiceError | None:
+        """The notice's per-(page, kv head) sums against every rank's heads of the delta pages:
+        None when all match; DATA_LOSS naming the first bad (page, head) and its rank; UNAVAILABLE
+        when a follower does not answer in time (naming it). Call after the delta's bytes are in
+        their final place on every rank."""
+        pages, heads = self._delta_pages(job), self.runner.model_config.num_kv_heads
+        got = list(notice.head_checksums)
+        if len(got) != len(pages) * heads:
+            return ServiceError(grpc.StatusCode.DATA_LOSS,
+                                f"KV checksums of room {job.room}: {len(got)} sent, {len(pages)} pages x "
+                                f"{heads} kv heads expected")
+        if not pages:  # a full prefix hit: nothing was sent
+            return None
+        try:
+            ranks = every_rank_sums(self.runner, pages)
+        except (TimeoutError, TPRankDied, ValueError) as e:
+            return ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV checksums of room {job.room} not verified: {e}")
+        for r in ranks:
+            bad = mismatches(got, heads, r.head_start, r.sums)
+            if bad:
+                i, head = bad[0]
+                log.warning("KV checksum mismatch on room %d: page %d (delta page %d) kv head %d on rank %d "
+                            "(%d bad sums on that rank)", job.room, pages[i], i, head, r.rank, len(bad))
+                return ServiceError(grpc.StatusCode.DATA_LOSS, f"KV checksum mismatch on room {job.room}: "
+                                    f"delta page {i}, kv head {head} (rank {r.rank})")
+        return None
 
     def _commit(self, job: DecodeJob, notice: prefill_pb2.KVNotice) -> None:
         M.DECODE_KV_WAIT_SECONDS.observe(time.monotonic() - job.t_prealloc)

@@ -39,7 +39,7 @@ class PreallocQueue:
         kv_wait: where a pre-allocated job waits for its KV.
         segment_name: D's segment name (P writes into it).
         memory: reserve sizes and the projected headroom; live: every live job (for the projection).
-        checksums: ask P for per-page checksums.
+        checksums: ask P for per-(page, kv head) checksums.
         fence: the write window sent to P and the fence deadline of each destination.
         page_sums: verifies a prefix hit's pages before they are reused (None: not checked).
     """

@@ -72,7 +72,7 @@ class DecodeScheduler(SchedulerLoop):
         segment_name: D's segment name (sent to P in the destination).
         eos_token_ids: stop ids of the model; tokenizer: for stop strings (None: rejected).
         max_running: running-batch cap; disable_radix_cache: no prefix reuse on D.
-        checksums: verify per-page checksums of the delta, and of cached pages a prefix hit reuses.
+        checksums: verify per-(page, kv head) checksums of the delta, and of cached pages a prefix hit reuses, on every rank.
         kv_wait_timeout_s: a request waiting for KV this long fails (DEADLINE_EXCEEDED).
         fence: the write window sent to P and when quarantined pages of a silent P may be reused
             (``decode_svc.quarantine.FencePolicy``).
@@ -107,7 +107,7 @@ class DecodeScheduler(SchedulerLoop):
                                                                          enable_events=True)
         self.event_cache = cache
         self.cpu_share = cpu_share
-        self.page_sums = PageChecksums(runner.kv_pool) if checksums and cache.enabled else None
+        self.page_sums = PageChecksums(runner) if checksums and cache.enabled else None
         self.kv = CacheManager(alloc, runner.req_to_token_pool, cache, on_evict=M.DECODE_EVICTED_PAGES.inc,
                                on_cached=self.page_sums and self.page_sums.record)
         self.jobs: dict[int, DecodeJob] = {}  # every live job by room, in arrival order

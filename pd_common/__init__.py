@@ -1,7 +1,8 @@
 """What both halves of a PD pair share, so neither service imports the other's internals.
 
-- ``protocol.py``: request validation, proto <-> engine conversions, the published KV layout,
-  per-page checksums (the wire-level rules of the PD protocol).
+- ``protocol.py``: request validation, proto <-> engine conversions, the published KV layout
+  (the wire-level rules of the PD protocol); ``head_checksums.py``: the notice's KV checksums, one
+  per (page, kv head), and ``rank_checksums.py``: those sums over every tensor-parallel rank.
 - ``worker_runtime.py``: worker start-up/shut-down (model + pool, transfer engine, gRPC server with
   health and reflection, /metrics, registry record) and the flags both worker commands take.
 

@@ -4,17 +4,14 @@
   naming the field (services answer INVALID_ARGUMENT);
 - proto <-> engine conversions (SamplingParams, TokenLogprob);
 - the KV layout a worker publishes (``registry.proto`` KVLayout: "page_major" or "layer_major",
-  the pool's ``--kv-layout``);
-- per-page checksums: ``crc32`` of page p's bytes in every buffer, K_0, V_0, K_1, ... in order
-  (the same bytes P sends; D recomputes them over its destination pages).
+  the pool's ``--kv-layout``).
+
+The notice's KV checksums are ``pd_common.head_checksums``.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
-
-import torch
 
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarKind, GrammarSpec
@@ -146,24 +143,3 @@ def published_layout(runner, model: str) -> registry_pb2.KVLayout:
         return kv_layout(runner.kv_pool, model, max_context=runner.max_context)
     return kv_layout(runner.kv_pool, model, runner.tp.size, runner.model_config.num_kv_heads,
                      runner.max_context)
-
-
-def page_checksums(kv_pool, pages: Sequence[int]) -> list[int]:
-    """crc32 (zlib) of each page's bytes in ``K_0, V_0, K_1, V_1, ...`` order (layer by layer, K then V).
-
-    That order is a page_major page's own byte order, so both layouts give the same checksum for the
-    same K/V contents (a P and a D of different layouts could compare them).
-
-    Args:
-        kv_pool: an ``engine.kvcache.kv_pool.KVPool`` (CPU memory; CUDA pools are copied to the host).
-        pages: physical page ids.
-    Returns:
-        One unsigned 32-bit int per page, in order.
-    """
-    out = []
-    for p in pages:
-        p = int(p)
-        page = torch.stack([t[p] for layer in range(kv_pool.num_layers)
-                            for t in (kv_pool.k_pages(layer), kv_pool.v_pages(layer))])  # [2L, ps, kvh, hd]
-        out.append(zlib.crc32(page.cpu().contiguous().view(torch.uint8).numpy().tobytes()))
-    return out

@@ -115,10 +115,11 @@ def rank_accounting(runner, timeout_s: float = 10.0) -> list[common_pb2.RankAcco
     return out
 
 
-def await_reply(q: queue.Queue, qid: int, deadline: float, rank: int) -> dict:
-    """The accounting reply ``qid`` (decoded JSON) from ``q``, a rank's reply queue; other replies
-    (P's write replies, a start-up descriptor) go back in it, a late answer to an earlier query is
-    dropped.
+def await_reply(q: queue.Queue, qid: int, deadline: float, rank: int, kind: str = KIND) -> dict:
+    """The reply ``qid`` of ``kind`` (a query's "kind": accounting, or another query of the command
+    pipe) as decoded JSON from ``q``, a rank's reply queue; other replies (P's write replies, a
+    start-up descriptor, another kind's) go back in it, a late answer to an earlier query of
+    ``kind`` is dropped.
 
     Raises:
         TimeoutError: no such reply by ``deadline`` (``time.monotonic()`` seconds), naming ``rank``.
@@ -128,7 +129,7 @@ def await_reply(q: queue.Queue, qid: int, deadline: float, rank: int) -> dict:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"tensor-parallel rank {rank} did not answer the accounting query")
+                raise TimeoutError(f"tensor-parallel rank {rank} did not answer the {kind} query")
             try:
                 data = q.get(timeout=left)
             except queue.Empty:
@@ -138,9 +139,10 @@ def await_reply(q: queue.Queue, qid: int, deadline: float, rank: int) -> dict:
             except ValueError:  # not JSON (a rank's descriptor at start-up): someone else's
                 others.append(data)
                 continue
-            if is_accounting(d) and d.get("id") == qid:
+            mine = isinstance(d, dict) and d.get("kind") == kind
+            if mine and d.get("id") == qid:
                 return d
-            if not is_accounting(d):  # a late answer to an earlier query is dropped
+            if not mine:  # a late answer to an earlier query of this kind is dropped
                 others.append(data)
     finally:
         for data in others:

@@ -8,10 +8,12 @@ segment descriptor as its first reply; rank 0 folds it into the worker's one des
 (``WriteCommand``, JSON): the pages and D ranks to write this rank's kv heads into. The rank writes
 them on its own engine, one block per page (``pd_common.staged_writes``: straight from its pool, or
 gathered through its staging area when it sends only some of its heads), and replies once every put
-completed or one failed (``WriteReply``), which rank 0 needs before it sends D the notice. On a
-decode worker it rewrites head-blocked delta pages token-major when rank 0 says so
-(``pd_common.head_blocks.UnblockCommand``, no reply: the pipe's order puts it before any forward
-reading them). On P and D it answers rank 0's accounting queries (``pd_common.rank_accounting``).
+completed or one failed (``WriteReply``, with the per-(page, kv head) checksums of the heads it wrote
+when the command asks), which rank 0 needs before it sends D the notice. On a decode worker it
+rewrites head-blocked delta pages token-major when rank 0 says so
+(``pd_common.head_blocks.UnblockCommand``, no reply: the pipe's order puts it before any forward or
+checksum query reading them). On P and D it answers rank 0's accounting queries
+(``pd_common.rank_accounting``) and, on D, its checksum queries (``pd_common.rank_checksums``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from engine.distributed.follower import parse_args, run_follower
+from pd_common import rank_checksums
 from pd_common.head_blocks import is_unblock, unblock_pages
+from pd_common.head_checksums import head_checksums
 from pd_common.head_slices import PageShape, RankWrite
 from pd_common.rank_accounting import answer, is_accounting
 from pd_common.staged_writes import DEFAULT_STAGING_MB, RankWrites, Target
@@ -64,6 +68,7 @@ class WriteCommand:
     dst_pages: list[int]
     not_after: float | None  # time.monotonic() seconds (one clock for the processes of a host)
     shape: list[int] = field(default_factory=list)  # PageShape fields
+    checksums: bool = False  # reply with the written heads' sums of src_pages (--kv-checksums)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -81,11 +86,16 @@ class WriteCommand:
 
 @dataclass
 class WriteReply:
+    """``sums[i][k]``: crc32 of src page ``k`` for global kv head ``sum_heads[i]`` (the heads this
+    rank wrote; empty unless the command asked, ``pd_common.head_checksums``)."""
+
     id: int
     ok: bool
     reason: str = ""
     puts: int = 0
     nbytes: int = 0
+    sum_heads: list[int] = field(default_factory=list)
+    sums: list[list[int]] = field(default_factory=list)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -125,15 +135,21 @@ class WriteAgent:
             if is_unblock(d):
                 self._unblock(d)
                 return
+            if rank_checksums.is_head_sums(d):  # D's rank 0 checks pages of every rank's heads
+                self.group.reply(rank_checksums.answer(d, self.me.rank, self.runner).encode())
+                return
             cmd = WriteCommand.from_json(d)
         except (ValueError, TypeError, KeyError) as e:
             log.error("tensor-parallel rank %d: unreadable write command: %s", self.group.rank, e)
             return
+        sums: tuple[list[int], list[list[int]]] = ([], [])
         try:
             if self.runner.device.type == "cuda":  # the forward's KV writes land before UCX reads them
                 import torch
 
                 torch.cuda.current_stream(self.runner.device).synchronize()
+            if cmd.checksums:
+                sums = self.written_sums(cmd)
             shape = PageShape(*cmd.shape)
             if self._writes is None:
                 self._writes = RankWrites(self.engine, self.runner.kv_pool.region, self.me, shape,
@@ -147,7 +163,14 @@ class WriteAgent:
         except Exception as e:  # SegmentClosed, DescriptorError, ValueError: say so to rank 0
             self._waits.submit(self._reply, WriteReply(cmd.id, False, f"rank {self.me.rank}: {e}"))
             return
-        self._waits.submit(self._finish, cmd.id, jid)
+        self._waits.submit(self._finish, cmd.id, jid, sums)
+
+    def written_sums(self, cmd: WriteCommand) -> tuple[list[int], list[list[int]]]:
+        """(global kv heads this command writes, ascending; ``sums[i][k]``: src page ``k``'s crc32
+        for head ``i``), computed before the puts read the pages (they no longer change)."""
+        heads = sorted({h for t in cmd.targets for h in range(t.head_start, t.head_end)})
+        per_page = head_checksums(self.runner.kv_pool, cmd.src_pages, [h - self.me.head_start for h in heads])
+        return heads, [[row[i] for row in per_page] for i in range(len(heads))]
 
     def _unblock(self, d: dict) -> None:
         try:
@@ -155,12 +178,13 @@ class WriteAgent:
         except (ValueError, TypeError, RuntimeError) as e:
             raise RuntimeError(f"tensor-parallel rank {self.me.rank}: cannot unblock KV pages: {e}") from None
 
-    def _finish(self, cid: int, jid: int) -> None:
+    def _finish(self, cid: int, jid: int, sums: tuple[list[int], list[list[int]]] = ([], [])) -> None:
         st = self._writes.wait(jid)
         puts, nbytes = self._writes.puts(jid)
         self._writes.release(jid)
         ok = st.state is State.COMPLETED
-        self._reply(WriteReply(cid, ok, "" if ok else st.reason, puts if ok else 0, nbytes if ok else 0))
+        self._reply(WriteReply(cid, ok, "" if ok else st.reason, puts if ok else 0, nbytes if ok else 0,
+                               *(sums if ok else ([], []))))
 
     def _reply(self, reply: WriteReply) -> None:
         try:

@@ -72,7 +72,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--transfer-timeout", type=float, default=30.0,
                         help="seconds before a pending KV transfer batch fails")
     parser.add_argument("--kv-checksums", action="store_true",
-                        help="P sends per-page crc32 checksums in the notice; D verifies them")
+                        help="P sends crc32 checksums per (page, kv head) in the notice; D verifies them on "
+                             "every rank, and re-verifies cached pages a prefix hit reuses")
     # role-specific knobs, accepted by both commands so one flag set can start either role
     parser.add_argument("--destination-timeout", type=float, default=120.0,
                         help="[prefill] seconds a request waits for D's KV destination (and an early "
@@ -118,7 +119,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
     parser.add_argument("--tp", type=int_at_least(1), default=1,
                         help="tensor-parallel ranks of this worker (one process each; on CUDA rank r "
-                             "uses --device's index + r); page_major KV layout only, no --kv-checksums")
+                             "uses --device's index + r); page_major KV layout only")
     parser.add_argument("--tp-timeout", type=non_negative_float, default=30.0,
                         help="seconds any tensor-parallel collective may take before the worker stops")
     add_cluster_auth_args(parser)
@@ -200,8 +201,6 @@ def check_tp_flags(args) -> str | None:
     """Why ``--tp`` cannot run with the other flags (a start-up error), or None."""
     if args.tp > 1 and args.kv_layout != "page_major":
         return "--tp > 1 needs --kv-layout page_major (per-rank KV writes address page_major shards)"
-    if args.tp > 1 and args.kv_checksums:
-        return "--kv-checksums is not supported with --tp > 1 (a checksum would cover one rank's kv heads)"
     return None
 
 

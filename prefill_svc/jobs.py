@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from engine.grammar import GrammarState
 from engine.sampling_params import SamplingParams
+from pd_common.head_checksums import NoticeSums
 from pd_common.protocol import ServiceError
 from prefill_svc.kv_runs import PoolGeometry
 from protos import prefill_pb2
@@ -59,6 +60,7 @@ class PendingBatch(NamedTuple):
     pages: int        # pages the batch writes
     nbytes: int       # bytes the batch writes
     per_rank: bool = False  # a RankWriter batch (P or D tensor-parallel), not one engine batch
+    first_page: int = 0     # the logical page its first page is (its checksums' place in the notice)
 
 
 class FirstToken(NamedTuple):
@@ -98,6 +100,7 @@ class PrefillJob:
     batches: dict[int, PendingBatch] = field(default_factory=dict)  # batch id -> pending batch
     notify_id: int | None = None   # the ok notice's id while the transfer engine holds it
     pages_sent: int = 0            # pages of completed batches
+    sums: NoticeSums | None = None  # checksums of completed rank batches (tensor-parallel pair, asked)
     bytes_sent: int = 0
     first: FirstToken | None = None
     rng_state: bytes = b""         # the sampler's generator state after the first token (seeded)

@@ -6,15 +6,18 @@
   go to D's ``dst_page_ids`` in order. While the prompt is still being computed only whole computed
   pages go, so a middle chunk never sends a partial last page. Each send is one batch with one
   descriptor per (src, dst) page run per K/V buffer (``kv_runs``).
-* notice: after the last batch the ok ``KVNotice`` (first token, sampler state, optional page
-  checksums) is queued with ``send_notify``; the transport delivers it only after every earlier
-  batch to that segment completed, and fails it if one failed.
+* notice: after the last batch the ok ``KVNotice`` (first token, sampler state, optional
+  per-(page, kv head) checksums, ``pd_common.head_checksums``) is queued with ``send_notify``;
+  the transport delivers it only after every earlier batch to that segment completed, and fails
+  it if one failed.
 * A job's pages stay allocated while any of its batches or its notice may still read them.
 * Tensor parallelism (P or D runs several ranks): each batch is a ``RankWriter`` rank batch, one
   write per (P rank, D rank, kv-head range) on the writing rank's engine, one block per page; the
   notice is queued only once every rank batch of the job completed (those writes use several
   endpoints, so the engine's ordering behind one segment's batches does not cover them), and
-  carries the kv-head cuts at which D must unblock head-blocked pages (``head_block_cuts``).
+  carries the kv-head cuts at which D must unblock head-blocked pages (``head_block_cuts``). Its
+  checksums are the ones each rank computed of the heads it wrote (``RankWriter.head_sums``),
+  gathered batch by batch.
 
 Every accepted destination gets exactly one notice, ok or ok=false (failure, abort, expiry), so D
 can keep its destination pages quarantined until then.
@@ -39,8 +42,9 @@ import grpc
 import torch
 
 from engine.kvcache.paging import pages_for, pages_of_slots
+from pd_common.head_checksums import NoticeSums, head_checksums
 from pd_common.kv_transport import KVSender
-from pd_common.protocol import ServiceError, page_checksums, token_logprob
+from pd_common.protocol import ServiceError, token_logprob
 from prefill_svc.destinations import DestinationBook, check_destination
 from prefill_svc.jobs import Destination, JobEnds, JobState, PendingBatch, PrefillJob
 from prefill_svc.kv_runs import PoolGeometry, descriptors, merge_runs
@@ -86,7 +90,7 @@ class DeltaSender:
         ends: how a job ends (the scheduler).
         destination_timeout_s: a job without a destination this long after arrival fails (a job
             whose Prefill call has a deadline waits until that deadline instead)
-            DEADLINE_EXCEEDED; checksums: put page checksums in every ok notice.
+            DEADLINE_EXCEEDED; checksums: put per-(page, kv head) checksums in every ok notice.
         transfer_log: the JSONL log.
         lease_valid_for: seconds P's registry lease is still certainly held
             (``RegistryClient.lease_valid_for``), or None (no registry: no lease fence).
@@ -164,15 +168,15 @@ class DeltaSender:
     def _per_rank(self, dest: Destination) -> bool:
         return self.rank_writer is not None and self.rank_writer.per_rank(dest.segment)
 
+    def _wants_sums(self, dest: Destination) -> bool:
+        return self.checksums or dest.msg.want_checksums
+
     def _rank_refusal(self, dest: Destination) -> str | None:
-        """Why a tensor-parallel pair cannot take ``dest`` (checks cover one rank's heads), or None."""
+        """Why a tensor-parallel pair cannot take ``dest`` (D's heads do not map onto P's), or None."""
         if dest.segment.kv_layout.tp_size > 1 and self.rank_writer is None:
             return "decode runs tensor-parallel; this prefill worker writes to single-rank pools only"
         if not self._per_rank(dest):
             return None
-        if self.checksums or dest.msg.want_checksums:
-            return ("page checksums cover one rank's kv heads: --kv-checksums is not supported "
-                    "with tensor parallelism (--tp)")
         return self.rank_writer.refusal(dest.segment)
 
     # ------------------------------------------------------------------ sending
@@ -232,8 +236,11 @@ class DeltaSender:
                   "logical_pages": list(range(first, end)), "src_pages": src, "dst_pages": dst,
                   "pre_len": int(dest.msg.pre_len), "prompt_len": n}
         if self._per_rank(dest):
-            bid, nbytes, writes = self.rank_writer.submit(dest.segment, src, dst, dest.not_after)
-            job.batches[bid] = PendingBatch(time.monotonic(), len(src), nbytes, per_rank=True)
+            sums = self._wants_sums(dest)
+            if sums and job.sums is None:
+                job.sums = NoticeSums(self.runner.model_config.num_kv_heads)
+            bid, nbytes, writes = self.rank_writer.submit(dest.segment, src, dst, dest.not_after, checksums=sums)
+            job.batches[bid] = PendingBatch(time.monotonic(), len(src), nbytes, per_rank=True, first_page=first)
             for w in writes:
                 M.TRANSFER_RANK_PAGES.labels(src_rank=str(w.src_rank), dst_rank=str(w.dst_rank)).inc(w.pages)
             record["rank_writes"] = [[w.src_rank, w.dst_rank, w.head_start, w.head_end, w.pages, w.descriptors,
@@ -267,11 +274,22 @@ class DeltaSender:
         notice.samples.extend(job.samples)
         if self._per_rank(job.dest):  # D rewrites its head-blocked pages at these cuts before the commit
             notice.head_block_cuts.extend(self.rank_writer.head_cuts(job.dest.segment))
-        if self.checksums or job.dest.msg.want_checksums:
-            r2t = self.runner.req_to_token_pool.req_to_token
-            slots = r2t[job.lease.row, int(job.dest.msg.pre_len): len(job.prompt_ids)]  # D's delta
-            notice.page_checksums.extend(page_checksums(self.runner.kv_pool, pages_of_slots(slots, self.ps)))
+        if self._wants_sums(job.dest):
+            notice.head_checksums.extend(self._delta_sums(job))
         return notice
+
+    def _delta_sums(self, job: PrefillJob) -> list[int]:
+        """The delta's per-(page, kv head) checksums, page-major over every kv head.
+
+        Raises:
+            ValueError: a rank's replies lacked some head's sums (the job fails).
+        """
+        first, end = int(job.dest.msg.pre_len) // self.ps, pages_for(len(job.prompt_ids), self.ps)
+        if job.sums is not None:  # rank batches: each head summed by the rank that wrote it
+            return job.sums.flat(first, end)
+        r2t = self.runner.req_to_token_pool.req_to_token
+        slots = r2t[job.lease.row, int(job.dest.msg.pre_len): len(job.prompt_ids)]  # D's delta
+        return [crc for row in head_checksums(self.runner.kv_pool, pages_of_slots(slots, self.ps)) for crc in row]
 
     # ------------------------------------------------------------------ completion
     def poll(self) -> None:
@@ -283,6 +301,8 @@ class DeltaSender:
                 if st.state is State.PENDING:
                     continue
                 del job.batches[bid]
+                if st.state is State.COMPLETED and batch.per_rank and job.sums is not None:
+                    job.sums.add(batch.first_page, self.rank_writer.head_sums(bid))
                 transport.release(bid)
                 # bytes, batch seconds and failures are counted by the transfer engine itself
                 if st.state is State.COMPLETED:

@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
                              disable_radix_cache=args.disable_radix_cache,
                              lease_valid_for=w.registry.lease_valid_for,
                              lease_fence_margin_s=args.lease_fence_margin, cpu_share=w.cpu_share,
-                             rank_writer=RankWriter(transfer, runner.tp, w.rank_regions, shape, staged)
-                             if staged is not None else None)
+                             rank_writer=RankWriter(transfer, runner.tp, w.rank_regions, shape, staged,
+                                                    runner.kv_pool) if staged is not None else None)
     w.attach_kv_events(sched)
     sched.start()
     servicer = PrefillServicer(sched, transfer, args.worker_id, vocab_size=runner.vocab_size,

@@ -7,7 +7,9 @@ the forwards that computed the pages) and come back as a ``WriteReply``. D rank 
 opened as its own segment (``rank_descriptor``); D rank 0's is the destination's segment. Since
 those writes travel over several endpoints, the transfer engine's notice ordering (behind earlier
 batches to ONE segment) does not cover them: ``DeltaSender`` queues the notice only once every
-rank batch of the job completed.
+rank batch of the job completed. With checksums asked, each rank sums the kv heads it writes
+(``pd_common.head_checksums``; rank 0 at submit, a follower in its ``WriteReply``) and
+``head_sums`` gives the batch's sums of every head written, each from its writer.
 
 Each write moves one contiguous block per page (``pd_common.head_slices``): from the P page itself
 or, where the P rank sends only some of its heads, from its registered staging area
@@ -26,8 +28,8 @@ import queue
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pd_common.head_checksums import HeadSums, by_head, head_checksums
 from pd_common.head_slices import PageShape, block_write, check_pages, head_cuts, plan_rank_writes
-from pd_common.rank_accounting import is_accounting
 from pd_common.staged_writes import RankWrites, Target
 from pd_common.tp_rank import WriteCommand, WriteReply, WriteTarget
 from transfer_svc.engine import BatchStatus, DescriptorError, State
@@ -58,6 +60,7 @@ class _RankBatch:
     writes: list[RankPages]
     failed: str = ""
     replies: dict[int, WriteReply] = field(default_factory=dict)  # follower rank -> its reply
+    sums: HeadSums = field(default_factory=dict)  # rank 0's written heads (checksums asked)
 
 
 class RankWriter:
@@ -68,11 +71,13 @@ class RankWriter:
         regions: P's rank regions, rank order (``pd_common.tp_rank.local_region`` for rank 0, the
             followers' descriptors for the others). shape: the page shape P publishes.
         local: rank 0's own writes (``RankWrites`` over its pool and staging area).
+        kv_pool: rank 0's KV pool (its heads' checksums); None: checksums cannot be asked.
     """
 
-    def __init__(self, transfer, group, regions: Sequence[RankRegion], shape: PageShape, local: RankWrites):
+    def __init__(self, transfer, group, regions: Sequence[RankRegion], shape: PageShape, local: RankWrites,
+                 kv_pool=None):
         self.transfer, self.group, self.regions, self.shape = transfer, group, list(regions), shape
-        self.local = local
+        self.local, self.kv_pool = local, kv_pool
         self._ids = itertools.count(1)
         self._cmd_ids = itertools.count(1)
         self._batches: dict[int, _RankBatch] = {}
@@ -101,13 +106,14 @@ class RankWriter:
         return head_cuts(plan)
 
     def submit(self, segment, src_pages: Sequence[int], dst_pages: Sequence[int],
-               not_after: float | None) -> tuple[int, int, list[RankPages]]:
+               not_after: float | None, checksums: bool = False) -> tuple[int, int, list[RankPages]]:
         """Write ``src_pages[i]`` of every P rank into ``dst_pages[i]`` of D's ranks -> (rank batch
         id, bytes, what each rank pair moves). Call from the thread that runs P's forwards.
+        ``checksums``: every writing rank sums the heads it writes (``head_sums``).
 
         Raises:
             ValueError / DescriptorError: D's kv heads cannot be mapped onto P's, or a page is out
-                of range (nothing was submitted).
+                of range, or checksums were asked without ``kv_pool`` (nothing was submitted).
             TransferError, TPRankDied: a write could not be queued (earlier writes of the batch may
                 have been; the rank batch is FAILED then and still needs ``release``).
         """
@@ -136,8 +142,15 @@ class RankWriter:
                 remote.setdefault(w.src_rank, []).append(WriteTarget(
                     sub.SerializeToString().hex(), [dst.rank, dst.head_start, dst.head_end, dst.base, dst.length],
                     w.head_start, w.head_end))
+        own_sums: HeadSums = {}
+        if checksums:  # before the puts read the pages (computed by now, they no longer change)
+            if self.kv_pool is None:
+                raise ValueError("checksums asked of a rank writer without rank 0's KV pool")
+            heads = sorted({h for t in local for h in range(t.write.head_start, t.write.head_end)})
+            lo = self.regions[0].head_start
+            own_sums = by_head(head_checksums(self.kv_pool, src_pages, [h - lo for h in heads]), heads)
         bid = next(self._ids)
-        batch = _RankBatch(None, {}, nbytes, writes)
+        batch = _RankBatch(None, {}, nbytes, writes, sums=own_sums)
         if local:
             batch.local = self.local.start(local, src_pages, dst_pages, not_after)  # ValueError: nothing sent
         self._batches[bid] = batch
@@ -146,7 +159,7 @@ class RankWriter:
                 cid = next(self._cmd_ids)
                 shape = [self.shape.num_layers, self.shape.page_size, self.shape.head_dim, self.shape.itemsize]
                 self.group.send_command(rank, WriteCommand(cid, targets, src_pages, dst_pages, not_after,
-                                                           shape).encode())
+                                                           shape, checksums).encode())
                 batch.remote[rank] = cid
                 self._by_cmd[cid] = bid
         except Exception as e:
@@ -162,8 +175,8 @@ class RankWriter:
                 except queue.Empty:
                     break
                 d = json.loads(data)
-                if is_accounting(d):
-                    continue  # a late answer to a timed-out accounting query
+                if "kind" in d:
+                    continue  # a late answer to a timed-out query (accounting)
                 reply = WriteReply(**d)
                 bid = self._by_cmd.pop(reply.id, None)
                 if bid in self._batches:
@@ -197,6 +210,16 @@ class RankWriter:
         if reasons:
             return BatchStatus(State.FAILED, 0, b.nbytes, reasons[0])
         return BatchStatus(State.COMPLETED, b.nbytes, b.nbytes)
+
+    def head_sums(self, bid: int) -> HeadSums:
+        """A COMPLETED rank batch's checksums, every kv head written (each from the rank that
+        wrote it): ``{head: [crc32 of each src page]}``; empty unless ``submit`` asked."""
+        b = self._batches[bid]
+        out = dict(b.sums)
+        for reply in b.replies.values():
+            for h, crcs in zip(reply.sum_heads, reply.sums):
+                out.setdefault(int(h), [int(c) for c in crcs])
+        return out
 
     def release(self, bid: int) -> None:
         b = self._batches.pop(bid, None)

@@ -54,7 +54,7 @@ class PrefillScheduler(SchedulerLoop):
         destination_timeout_s: a job without a destination this long after arrival fails
             (DEADLINE_EXCEEDED); an unclaimed destination is dropped after the same time.
         transfer_log: path of a JSONL file, one line per submitted batch and per notice, or None.
-        checksums: put per-page checksums in every ok notice (D may also ask per destination).
+        checksums: put per-(page, kv head) checksums in every ok notice (D may also ask per destination).
         disable_radix_cache: no prefix cache on P (every prompt is computed whole).
         lease_valid_for, lease_fence_margin_s: P's own view of its registry lease; no KV write
             starts while it is below the margin (``DeltaSender``).

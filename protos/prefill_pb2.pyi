@@ -84,7 +84,7 @@ class FirstSample(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
 
 class KVNotice(_message.Message):
-    __slots__ = ("room", "ok", "error", "first_token_id", "first_logprob", "cached_tokens", "pages_sent", "page_checksums", "sampler_state", "samples", "head_block_cuts")
+    __slots__ = ("room", "ok", "error", "first_token_id", "first_logprob", "cached_tokens", "pages_sent", "sampler_state", "samples", "head_checksums", "head_block_cuts")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -92,9 +92,9 @@ class KVNotice(_message.Message):
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGES_SENT_FIELD_NUMBER: _ClassVar[int]
-    PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    HEAD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     HEAD_BLOCK_CUTS_FIELD_NUMBER: _ClassVar[int]
     room: int
     ok: bool
@@ -103,8 +103,8 @@ class KVNotice(_message.Message):
     first_logprob: _common_pb2.TokenLogprob
     cached_tokens: int
     pages_sent: int
-    page_checksums: _containers.RepeatedScalarFieldContainer[int]
     sampler_state: bytes
     samples: _containers.RepeatedCompositeFieldContainer[FirstSample]
+    head_checksums: _containers.RepeatedScalarFieldContainer[int]
     head_block_cuts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, room: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., pages_sent: _Optional[int] = ..., page_checksums: _Optional[_Iterable[int]] = ..., sampler_state: _Optional[bytes] = ..., samples: _Optional[_Iterable[_Union[FirstSample, _Mapping]]] = ..., head_block_cuts: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, room: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., pages_sent: _Optional[int] = ..., sampler_state: _Optional[bytes] = ..., samples: _Optional[_Iterable[_Union[FirstSample, _Mapping]]] = ..., head_checksums: _Optional[_Iterable[int]] = ..., head_block_cuts: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -21,7 +21,9 @@ valid because the allocator hands out whole pages filled in order (engine/kvcach
 
 New K/V are stored first (``KVPool.write``: one index_put per K and V), then attention reads the
 pool. ``plan`` happens once per batch in :meth:`init_forward` from host-side lengths
-(``ForwardBatch.seq_lens_cpu``); the page indices themselves are gathered on the device.
+(``ForwardBatch.seq_lens_cpu``); the page indices themselves are gathered on the device. Every plan
+goes through a :class:`PlanFence`: flashinfer stages each plan's schedule in one pinned host buffer
+per wrapper, so a wrapper is not re-planned before the device has copied its previous schedule.
 flashinfer is imported lazily, so this module imports on CPU-only machines.
 Modelled on flashinfer ``decode.py`` / ``prefill.py`` wrappers (plan/run), sglang's
 ``flashinfer_backend.py`` (page-table construction, cuda-graph wrappers).
@@ -38,6 +40,53 @@ from engine.forward_batch import ForwardBatch, ForwardMode
 
 EXTEND_MODES = ("ragged", "paged")
 WORKSPACE_BYTES = 256 << 20  # flashinfer's float workspace (split-kv partial outputs); 128 MiB recommended
+
+
+def default_prefill_backend(device: torch.device) -> str:
+    """Paged prefill kernels when none is asked for: "fa3" on Hopper (sm_90), else "fa2".
+
+    On an H200 the FA3 paged kernels took the 8k prefill in 4 chunks over the cached prefix from
+    254.9 to 237.9 ms and a paged-only 8k pass from 245.7 to 229.7 ms (bench/results/GPU_NOTES.md,
+    session 8); FA3 needs sm_90, the fa2 kernels run everywhere else.
+    """
+    return "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
+
+
+class PlanFence:
+    """Holds a wrapper's next ``plan`` until the device has copied in its previous one.
+
+    flashinfer's ``plan`` writes the schedule (per-CTA work lists and, for the FA3 kernels, each work
+    item's kv length) into a pinned host buffer owned by the wrapper and enqueues one
+    ``cudaMemcpyAsync`` from it on the current stream; nothing waits for that copy. When the host runs
+    more than one forward ahead of the device (chunked prefill, pipelined decode), the next ``plan``
+    overwrites the buffer before the earlier copy has run, and the earlier forward runs with the later
+    batch's schedule: FA3 then reads kv positions past that batch's page table (an illegal memory
+    access when the later batch is longer, silently wrong attention when it is shorter). vLLM
+    (#40756) and mini-sglang (#103) hit the same race. An event recorded right after each plan marks
+    the copy's place in the stream; the next plan of that wrapper waits for it, i.e. for the device
+    to *start* the previous forward, not to finish it, so one forward of look-ahead remains.
+
+    ``device``: the wrappers' CUDA device (flashinfer copies on that device's current stream; the
+    event is recorded there, whichever device is current); ``make_event``: the event factory
+    (``torch.cuda.Event``; tests pass a fake).
+    """
+
+    def __init__(self, device: torch.device | None = None, make_event=None):
+        self.device = device
+        self._make_event = make_event
+        self._events: dict[int, tuple[object, object]] = {}  # id(wrapper) -> (wrapper, event)
+
+    def plan(self, wrapper, *args, **kwargs) -> None:
+        """``wrapper.plan(*args, **kwargs)``, after the device has consumed this wrapper's last plan."""
+        held = self._events.get(id(wrapper))
+        if held is None:
+            ev = (self._make_event or torch.cuda.Event)()
+            self._events[id(wrapper)] = (wrapper, ev)  # the wrapper is kept so its id stays unique
+        else:
+            ev = held[1]
+            ev.synchronize()
+        wrapper.plan(*args, **kwargs)
+        ev.record(None if self.device is None else torch.cuda.current_stream(self.device))
 
 
 def page_counts(seq_lens_cpu: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +130,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     "ragged"; see the module docstring), ``ragged_backend`` (kernels of the new-token part: "auto"
     picks FA3 on Hopper, "fa2"; default env HALFMOON_FLASHINFER_RAGGED, else "auto"),
     ``prefill_backend`` (kernels that read pages in extend: "fa2" | "fa3" | "auto"; default env
-    HALFMOON_FLASHINFER_PREFILL, else "fa2"), ``decode_tensor_cores`` (flashinfer's
+    HALFMOON_FLASHINFER_PREFILL, else :func:`default_prefill_backend`), ``decode_tensor_cores`` (flashinfer's
     tensor-core decode, the default; False selects the CUDA-core decode kernel).
     Raises ValueError for a CPU pool or a float32 pool (flashinfer kernels take half types).
     """
@@ -96,17 +145,18 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ValueError(f"attention_backend: flashinfer needs bf16/fp16 K/V, got {kv_pool.dtype}")
         import flashinfer
 
-        prefill_backend = prefill_backend or os.environ.get("HALFMOON_FLASHINFER_PREFILL", "fa2")
+        prefill_backend = (prefill_backend or os.environ.get("HALFMOON_FLASHINFER_PREFILL")
+                           or default_prefill_backend(kv_pool.device))
         self.extend_mode = extend_mode or os.environ.get("HALFMOON_FLASHINFER_EXTEND", "ragged")
         if self.extend_mode not in EXTEND_MODES:
             raise ValueError(f"attention_backend: extend_mode must be one of {EXTEND_MODES}, got {self.extend_mode!r}")
         ragged_backend = ragged_backend or os.environ.get("HALFMOON_FLASHINFER_RAGGED", "auto")
 
         self._fi = flashinfer
+        self.fence = PlanFence(kv_pool.device)
         dev = kv_pool.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                              backend=prefill_backend)
+        self.set_prefill_backend(prefill_backend)
         self.ragged_wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD",
                                                                               backend=ragged_backend)
         self._with_prefix = False
@@ -119,6 +169,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         # per layer (K, V) [P, ps, kvh, head_dim]; page_major: strided views (page stride 2*layers*ps*kvh*hd)
         self.kv_cache = [(kv_pool.k_pages(i), kv_pool.v_pages(i)) for i in range(kv_pool.num_layers)]
         self._wrapper = None
+
+    def set_prefill_backend(self, name: str) -> None:
+        """Kernels that read pages in extend ("fa2" | "fa3" | "auto"): a new paged prefill wrapper,
+        planned at the next :meth:`init_forward`."""
+        self.prefill_backend = name
+        self.prefill_wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=name)
 
     def make_decode_wrapper(self, batch_size: int, indices_buffer: torch.Tensor,
                             indptr_buffer: torch.Tensor | None = None):
@@ -137,8 +193,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def plan_decode(self, wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
         """Plan ``wrapper`` for a decode batch from a :func:`page_table`."""
-        wrapper.plan(indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
-                     self.kv_pool.page_size, q_data_type=self.kv_pool.dtype, kv_data_type=self.kv_pool.dtype,
+        self.fence.plan(wrapper, indptr, indices, last_page_len, self.num_heads, self.num_kv_heads,
+                        self.head_dim, self.kv_pool.page_size, q_data_type=self.kv_pool.dtype, kv_data_type=self.kv_pool.dtype,
                      sm_scale=self.scale)
 
     def init_forward(self, batch: ForwardBatch) -> None:
@@ -153,8 +209,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         torch.cumsum(ext.to(torch.int32), 0, out=qo_indptr[1:])
         ragged = self.extend_mode == "ragged"
         if ragged:  # new tokens from q/k/v; the paged wrapper reads the cached prefix only, if any
-            self.ragged_wrapper.plan(qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim,
-                                     causal=True, sm_scale=self.scale, q_data_type=dt, kv_data_type=dt)
+            self.fence.plan(self.ragged_wrapper, qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads,
+                            self.head_dim, causal=True, sm_scale=self.scale, q_data_type=dt, kv_data_type=dt)
             self._wrapper = self.ragged_wrapper
             kv_lens = seq - ext
             self._with_prefix = bool((kv_lens > 0).any())
@@ -164,9 +220,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._wrapper = self.prefill_wrapper
             kv_lens = seq
         indptr, indices, last = page_table(r2t, rows, kv_lens, ps)
-        self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads,
-                                  self.head_dim, ps, causal=not ragged, sm_scale=self.scale,
-                                  q_data_type=dt, kv_data_type=dt)
+        self.fence.plan(self.prefill_wrapper, qo_indptr, indptr, indices, last, self.num_heads,
+                        self.num_kv_heads, self.head_dim, ps, causal=not ragged, sm_scale=self.scale,
+                        q_data_type=dt, kv_data_type=dt)
 
     def set_wrapper(self, wrapper) -> None:
         """Use an already planned wrapper for the next forward (the cuda-graph runner's)."""

@@ -23,7 +23,8 @@ from engine.model_runner import ModelRunner
 from engine.models.model_loader import build_model
 from engine.sampling_params import SamplingParams
 from pd_common.inbox import LoadQuery
-from pd_common.protocol import ServiceError, page_checksums
+from pd_common.head_checksums import head_checksums
+from pd_common.protocol import ServiceError
 from protos import prefill_pb2
 from telemetry import metrics as M
 
@@ -161,7 +162,7 @@ class Decode:
         dst = list(self.net.dests[job.room].dst_page_ids)
         notice.setdefault("pages_sent", len(dst))
         if checksums:
-            notice["page_checksums"] = page_checksums(self.runner.kv_pool, dst)
+            notice["head_checksums"] = [c for row in head_checksums(self.runner.kv_pool, dst) for c in row]
         self.recv.send(prefill_pb2.KVNotice(room=job.room, ok=True, first_token_id=first_token, **notice))
 
     def serve(self, ids, max_tokens, reference, checksums=False) -> DecodeJob:

@@ -118,7 +118,7 @@ def test_bad_notices_fail_without_quarantine(model):
     d.tick()
     d.recv.send(prefill_pb2.KVNotice(room=failed.room, ok=False, error="boom"))
     d.recv.send(prefill_pb2.KVNotice(room=short.room, ok=True, pages_sent=2))
-    d.recv.send(prefill_pb2.KVNotice(room=corrupt.room, ok=True, pages_sent=3, page_checksums=[1, 2, 3]))
+    d.recv.send(prefill_pb2.KVNotice(room=corrupt.room, ok=True, pages_sent=3, head_checksums=[1, 2, 3] * 3))
     d.tick()
     assert code(outcome(failed)[1]) is grpc.StatusCode.UNAVAILABLE
     assert code(outcome(short)[1]) is grpc.StatusCode.DATA_LOSS

@@ -97,12 +97,13 @@ def test_auto_backend_is_torch_paged_on_cpu_and_fp32():
 def test_flashinfer_matches_torch_backend():
     from bench.gpu import backend_vs_torch
 
-    for mode, layout in (("ragged", "page_major"), ("paged", "page_major"), ("ragged", "layer_major")):
-        for seed in (0, 1):
-            r = backend_vs_torch(seed=seed, extend_mode=mode, layout=layout)
-            assert r["extend_rel_err"] <= 1e-2, (mode, r)
-            assert r["extend_no_prefix_rel_err"] <= 1e-2, (mode, r)
-            assert r["decode_rel_err"] <= 1e-2, (mode, r)
+    for pb in ("fa2", "fa3"):
+        for mode, layout in (("ragged", "page_major"), ("paged", "page_major"), ("ragged", "layer_major")):
+            for seed in (0, 1):
+                r = backend_vs_torch(seed=seed, extend_mode=mode, layout=layout, prefill_backend=pb)
+                assert r["extend_rel_err"] <= 1e-2, (pb, mode, r)
+                assert r["extend_no_prefix_rel_err"] <= 1e-2, (pb, mode, r)
+                assert r["decode_rel_err"] <= 1e-2, (pb, mode, r)
 
 
 TINY = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from engine.kvcache.kv_pool import KVPool
-from pd_common.protocol import kv_layout, page_checksums
+from pd_common.head_checksums import head_checksums
+from pd_common.protocol import kv_layout
 from prefill_svc.kv_runs import PoolGeometry, descriptors, merge_runs
 
 SHAPE = dict(page_size=4, num_layers=32, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -66,7 +67,7 @@ def test_descriptors_per_run_and_bytes_moved(layout, per_run):
             assert torch.equal(dst.v_pages(layer)[d], src.v_pages(layer)[s])
     untouched = sorted(set(range(16)) - set(dst_pages))
     assert all(dst.k_pages(layer)[untouched].count_nonzero() == 0 for layer in range(32))
-    assert page_checksums(dst, dst_pages) == page_checksums(src, src_pages)
+    assert head_checksums(dst, dst_pages) == head_checksums(src, src_pages)
 
 
 def test_page_major_with_padded_pages_writes_page_by_page():
@@ -111,12 +112,12 @@ def test_page_checksums_do_not_depend_on_the_layout():
     for layer in range(32):
         assert torch.equal(pm.k_pages(layer), lm.k_pages(layer))
     pages = [0, 5, 15]
-    sums = page_checksums(pm, pages)
-    assert sums == page_checksums(lm, pages) and len(set(sums)) == 3
-    # page_major: the checksum is the crc32 of the page's one contiguous byte range
+    sums = head_checksums(pm, pages)  # [page][kv head]
+    assert sums == head_checksums(lm, pages) and len({c for row in sums for c in row}) == 6
+    # page_major: head h's sum is the crc32 of its slices of the page's one byte range, in order
     region = pm.buffers()[0].view(-1).view(torch.uint8)
-    raw = region[5 * pm.page_stride_bytes:6 * pm.page_stride_bytes].numpy().tobytes()
-    assert sums[1] == zlib.crc32(raw)
+    raw = region[5 * pm.page_stride_bytes:6 * pm.page_stride_bytes].reshape(2 * 32 * 4, 2, 8 * 4)
+    assert sums[1] == [zlib.crc32(raw[:, h].contiguous().numpy().tobytes()) for h in range(2)]
 
 
 def test_prefill_names_a_decode_of_another_page_size_before_counting_its_pages():

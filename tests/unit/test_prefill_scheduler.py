@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
-from pd_common.protocol import page_checksums
+from pd_common.head_checksums import head_checksums
 from prefill_svc.jobs import JobState, PrefillJob
 from protos import prefill_pb2
 from tests.unit.prefill_harness import PS, error_of, model, pair, prompt, wait_until  # noqa: F401
@@ -41,7 +41,8 @@ def test_delta_pages_land_and_the_ok_notice_follows(pair, dest_first):
     assert notice.first_token_id == res.first_token_id == first
     assert notice.first_logprob == res.first_logprob
     assert notice.pages_sent == res.pages_sent == 4 and notice.cached_tokens == res.cached_tokens == 0
-    assert list(notice.page_checksums) == page_checksums(pd.d_pool, list(dest.msg.dst_page_ids))
+    assert list(notice.head_checksums) == [c for row in head_checksums(pd.d_pool, list(dest.msg.dst_page_ids))
+                                           for c in row]
     assert res.bytes_sent == 4 * pd.runner.kv_pool.page_stride_bytes
     pd.no_more_notices()
     pd.assert_idle_accounting()

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from pd_common.worker_runtime import Worker, add_common_arguments, engine_config
+from pd_common.worker_runtime import Worker, add_common_arguments, check_tp_flags, engine_config
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -24,12 +24,18 @@ def test_tp_flags_reach_the_engine_config():
 
 @pytest.mark.parametrize("flags, message", [
     (["--kv-layout", "layer_major"], "--tp > 1 needs --kv-layout page_major"),
-    (["--kv-checksums"], "--kv-checksums is not supported with --tp > 1"),
-], ids=["layer-major", "checksums"])
+], ids=["layer-major"])
 def test_flags_tp_cannot_honour_stop_the_worker_before_it_loads(flags, message):
     with pytest.raises(SystemExit, match=f"^error: {message}"):
         Worker(parse("--tp", "2", *flags), "prefill")
-    Worker(parse("--tp", "1", *flags), "prefill")  # one rank: both are fine
+    Worker(parse("--tp", "1", *flags), "prefill")  # one rank: fine
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_kv_checksums_run_with_tensor_parallelism(role):
+    # checksums are per (page, kv head), so they no longer depend on how a worker splits its heads
+    assert check_tp_flags(parse("--tp", "2", "--kv-checksums")) is None
+    Worker(parse("--tp", "3", "--kv-checksums"), role)
 
 
 def test_tp_below_one_is_refused_by_the_parser(capsys):
