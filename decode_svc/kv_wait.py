@@ -139,6 +139,10 @@ class KVWaitQueue:
         if error:
             self._fail(job, ServiceError(grpc.StatusCode.DATA_LOSS, error))
             return None
+        failure = self.unblock(job, notice)  # before anything reads the pages: checksums, commit
+        if failure is not None:
+            self._fail(job, failure)
+            return None
         if self.checksums:
             failure = self.verify_checksums(job, notice)
             if failure is not None:
@@ -164,17 +168,26 @@ class KVWaitQueue:
         pages = self._delta_pages(job)
         if notice.pages_sent != len(pages):
             return f"prefill sent {notice.pages_sent} pages, {len(pages)} expected"
-        # before anything reads the pages (checksums, the commit): every rank's head-blocked pages
-        # rewritten token-major (pd_common/head_blocks.py says why followers need no reply)
-        error = self.unblocker.unblock(pages, notice.head_block_cuts)
-        if error:
-            return f"prefill's KV of room {job.room}: {error}"
         pool = self.runner.kv_pool
         job.pages_transferred = len(pages)
         # every rank's kv heads (this pool, rank 0's under tensor parallelism, holds only its own)
         heads = self.runner.model_config.num_kv_heads
         job.bytes_transferred = len(pages) * pool.page_bytes // pool.num_kv_heads * heads * 2 * pool.num_layers
         return ""
+
+    def unblock(self, job: DecodeJob, notice: prefill_pb2.KVNotice) -> ServiceError | None:
+        """Rewrite the delta pages P wrote head-blocked (``notice.head_block_cuts``) token-major on
+        every rank: rank 0 inline, followers by a command on the TP pipe (no reply needed:
+        pd_common/head_blocks.py). None when done (or nothing was blocked); DATA_LOSS for malformed
+        cuts (nothing changed); UNAVAILABLE when a follower's pipe is gone. Call before anything
+        reads the pages: the checksum queries then travel behind the unblock commands."""
+        try:
+            error = self.unblocker.unblock(self._delta_pages(job), notice.head_block_cuts)
+        except TPRankDied as e:
+            return ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV of room {job.room} not unblocked: {e}")
+        if error:
+            return ServiceError(grpc.StatusCode.DATA_LOSS, f"prefill's KV of room {job.room}: {error}")
+        return None
 
     def verify_checksums(self, job: DecodeJob, notice: prefill_pb2.KVNotice) -> ServiceError | None:
         """The notice's per-(page, kv head) sums against every rank's heads of the delta pages:
