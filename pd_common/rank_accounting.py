@@ -71,10 +71,16 @@ def table_crc(req_to_token: torch.Tensor, rows: Sequence[Sequence[int]]) -> int:
     return crc
 
 
+def pool_pages(runner) -> int:
+    """The pages of ``runner``'s KV pool that requests can hold (``KVAccounting.total_pages``): the
+    pool less the CUDA-graph scratch page where graphs are on (``ModelRunner.scratch_page``)."""
+    return int(runner.kv_pool.num_pages) - int(getattr(runner, "scratch_page", None) is not None)
+
+
 def answer(query: dict, rank: int, runner, batches: int) -> AccountingReply:
     """A follower's reply to a decoded ``AccountingQuery`` (its pool, forwards and page table)."""
     rows = query["rows"]
-    return AccountingReply(int(query["id"]), rank, int(runner.kv_pool.num_pages), batches, len(rows),
+    return AccountingReply(int(query["id"]), rank, pool_pages(runner), batches, len(rows),
                            table_crc(runner.req_to_token_pool.req_to_token, rows))
 
 
@@ -100,7 +106,7 @@ def rank_accounting(runner, timeout_s: float = 10.0) -> list[common_pb2.RankAcco
     group = runner.tp
     rows = last_rows(group)
     r2t = runner.req_to_token_pool.req_to_token
-    out = [common_pb2.RankAccounting(rank=0, pool_pages=int(runner.kv_pool.num_pages),
+    out = [common_pb2.RankAccounting(rank=0, pool_pages=pool_pages(runner),
                                      batches=group.batches if group is not None else 0,
                                      table_rows=len(rows), table_crc=table_crc(r2t, rows))]
     if group is None:

@@ -2,7 +2,8 @@
 their assembly into P's notice (prefill_svc/rank_writer.py), without processes: a sum does not
 depend on how a pool splits its heads (so P of TP a and D of TP b compare), the notice holds every
 head once from the rank that wrote it, and D's follower query is answered, awaited with a bound,
-and a silent or failing follower is named."""
+and a silent or failing follower is named. The sums of pools on CPU and, where there is one, on CUDA
+(``head_checksums`` copies a CUDA page to the host)."""
 
 from __future__ import annotations
 
@@ -23,17 +24,18 @@ from pd_common.staged_writes import RankWrites
 from pd_common.tp_rank import WriteReply
 from prefill_svc.rank_writer import RankWriter
 from tests.unit.test_rank_writer import SHAPE, Engine, Group, d_segment
+from tests.unit.devices import DEVICES
 from transfer_svc.rank_regions import RankRegion
 
 GEOM = dict(page_size=4, num_layers=3, head_dim=8, dtype=torch.float32)
 
 
-def _pool(heads: int, layout: str = "page_major", pages: int = 8) -> KVPool:
-    return KVPool(pages, layout=layout, num_kv_heads=heads, **GEOM)
+def _pool(heads: int, layout: str = "page_major", pages: int = 8, device: str = "cpu") -> KVPool:
+    return KVPool(pages, layout=layout, num_kv_heads=heads, device=device, **GEOM)
 
 
-def _filled(heads: int, layout: str = "page_major", seed: int = 0) -> KVPool:
-    pool, g = _pool(heads, layout), torch.Generator().manual_seed(seed)
+def _filled(heads: int, layout: str = "page_major", seed: int = 0, device: str = "cpu") -> KVPool:
+    pool, g = _pool(heads, layout, device=device), torch.Generator().manual_seed(seed)
     for layer in range(pool.num_layers):
         for t in (pool.k_pages(layer), pool.v_pages(layer)):
             t.copy_(torch.randn(t.shape, generator=g))
@@ -42,21 +44,22 @@ def _filled(heads: int, layout: str = "page_major", seed: int = 0) -> KVPool:
 
 def _holding(src: KVPool, lo: int, hi: int, layout: str = "page_major") -> KVPool:
     """A pool of the same pages holding ``src``'s kv heads ``[lo, hi)`` (a rank's shard)."""
-    out = _pool(hi - lo, layout)
+    out = _pool(hi - lo, layout, device=src.device)
     for layer in range(src.num_layers):
         out.k_pages(layer).copy_(src.k_pages(layer)[:, :, lo:hi])
         out.v_pages(layer).copy_(src.v_pages(layer)[:, :, lo:hi])
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["page_major", "layer_major"])
-def test_a_heads_sum_equals_the_page_crc_of_a_single_head_pool_holding_it(layout):
-    full, pages = _filled(3, layout), [0, 3, 7]
+def test_a_heads_sum_equals_the_page_crc_of_a_single_head_pool_holding_it(layout, device):
+    full, pages = _filled(3, layout, device=device), [0, 3, 7]
     sums = head_checksums(full, pages)  # [page][head]
     assert len({c for row in sums for c in row}) == 9
     for h in range(3):
         one = _holding(full, h, h + 1)  # page_major: a page is one byte range
-        raw = one.buffers()[0].view(-1).view(torch.uint8).reshape(one.num_pages, -1)
+        raw = one.buffers()[0].cpu().view(-1).view(torch.uint8).reshape(one.num_pages, -1)
         assert [row[h] for row in sums] == [zlib.crc32(raw[p].numpy().tobytes()) for p in pages]
     # any split of the heads over ranks gives the same sums, head by head
     for split in ([(0, 2), (2, 3)], [(0, 1), (1, 3)], [(0, 1), (1, 2), (2, 3)]):
@@ -65,8 +68,9 @@ def test_a_heads_sum_equals_the_page_crc_of_a_single_head_pool_holding_it(layout
     assert head_checksums(full, pages, heads=[2]) == [[row[2]] for row in sums]
 
 
-def test_a_changed_byte_changes_only_its_heads_sum():
-    pool = _filled(3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_changed_byte_changes_only_its_heads_sum(device):
+    pool = _filled(3, device=device)
     before = head_checksums(pool, [5])
     pool.v_pages(2)[5, 3, 1, 7] += 1.0  # layer 2 V, token 3, kv head 1
     after = head_checksums(pool, [5])

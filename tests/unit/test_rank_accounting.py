@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import queue
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from pd_common.rank_accounting import AccountingReply, await_reply, disagreements, table_crc
+from pd_common.rank_accounting import AccountingReply, answer, await_reply, disagreements, rank_accounting, table_crc
 from pd_common.tp_rank import WriteReply
 from protos import common_pb2
 
@@ -46,3 +47,15 @@ def test_disagreements_name_each_drifted_field_of_each_follower():
     assert disagreements(ok) == [] and disagreements([]) == [] and disagreements(ok[:1]) == []
     bad = ok + [R(rank=2, pool_pages=7, batches=4, table_rows=2, table_crc=12)]
     assert disagreements(bad) == ["rank 2 pool_pages 7 != rank 0's 8", "rank 2 table_crc 12 != rank 0's 11"]
+
+
+@pytest.mark.parametrize("scratch_page", [None, 8])
+def test_pool_pages_are_the_pages_requests_can_hold_without_the_graph_scratch_page(scratch_page):
+    # CUDA graphs (ModelRunner.scratch_page) make the pool one page larger than its allocator, whose
+    # pages KVAccounting.total_pages counts; every rank reports the same count (found on the H200:
+    # P's rank 0 reported 2049 for 2048)
+    runner = SimpleNamespace(kv_pool=SimpleNamespace(num_pages=8 + (scratch_page is not None)),
+                             scratch_page=scratch_page, tp=None,
+                             req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(2, 4, dtype=torch.int64)))
+    assert [r.pool_pages for r in rank_accounting(runner)] == [8]
+    assert answer({"id": 1, "rows": []}, 1, runner, 0).pool_pages == 8

@@ -2,7 +2,9 @@
 memory (two engines in this process: the P rank's and a D rank's): a write of some of the rank's
 heads is gathered through the bounded staging area in chunks and lands exactly, one descriptor per
 page; the staging area holds nothing once the job completed, or once it failed (a write window
-already passed), and is never larger than its bound."""
+already passed), and is never larger than its bound. On CPU pools (UCX ``sm``) and, where there is one,
+on CUDA pools (the engines registered as ``cuda:0``, UCX's own transport choice, or ``UCX_TLS``): the
+gather into a registered CUDA staging area and puts from it."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from pd_common.head_slices import PageShape, RankWrite
 from pd_common.staged_writes import RankWrites, Target
+from tests.unit.devices import DEVICES
 from transfer_svc import State, TransferEngine
 from transfer_svc.rank_regions import RankRegion
 
@@ -20,23 +23,27 @@ LAYERS, PS, HD, KV = 3, 4, 8, 3
 SHAPE = PageShape(LAYERS, PS, HD, 4)
 
 
-@pytest.fixture
-def pair():
-    p = TransferEngine(f"staged-p-{time.monotonic_ns()}", transports="sm", timeout_s=30.0)
-    d = TransferEngine(f"staged-d-{time.monotonic_ns()}", transports="sm", timeout_s=30.0)
-    yield p, d
+@pytest.fixture(params=DEVICES)
+def pair(request):
+    """(P's engine, D's engine, the pools' device)."""
+    device = request.param
+    tls = "sm" if device == "cpu" else None  # CUDA: UCX's choice (cuda_copy / cuda_ipc), or UCX_TLS
+    p = TransferEngine(f"staged-p-{time.monotonic_ns()}", transports=tls, timeout_s=30.0)
+    d = TransferEngine(f"staged-d-{time.monotonic_ns()}", transports=tls, timeout_s=30.0)
+    yield p, d, device
     p.close()
     d.close()
 
 
 def setup(pair, pages: int, staging_pages: int):
     """P rank 0 holding every head -> D rank 1 holding heads [2, 3) (P TP=1 -> D TP=2's rank 1)."""
-    p, d = pair
+    p, d, device = pair
+    loc = "cpu" if device == "cpu" else "cuda:0"
     torch.manual_seed(0)
-    src = torch.randn(pages, LAYERS, 2, PS, KV, HD)
-    dst = torch.zeros(pages, LAYERS, 2, PS, 1, HD)
-    p.register_memory(src.data_ptr(), src.numel() * 4)
-    d.register_memory(dst.data_ptr(), dst.numel() * 4)
+    src = torch.randn(pages, LAYERS, 2, PS, KV, HD).to(device)
+    dst = torch.zeros(pages, LAYERS, 2, PS, 1, HD, device=device)
+    p.register_memory(src.data_ptr(), src.numel() * 4, loc)
+    d.register_memory(dst.data_ptr(), dst.numel() * 4, loc)
     me = RankRegion(0, 0, KV, src.data_ptr(), src.numel() * 4)
     d_region = RankRegion(1, 2, 3, dst.data_ptr(), dst.numel() * 4)
     writes = RankWrites(p, src, me, SHAPE, staging_pages * SHAPE.stride(KV))
