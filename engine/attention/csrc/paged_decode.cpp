@@ -1,0 +1,236 @@
+// Paged decode attention on CPU, reading K/V in place from the pool's per-layer page views.
+//
+// For request b and q head h (kv head kh = h / G, G = q heads per kv head):
+//   out[b, h] = softmax(scale * q[b, h] . K[b, 0:len_b, kh]) . V[b, 0:len_b, kh]
+// where token t of row b is offset t % page_size of page page_table[b, t / page_size].
+//
+// Design (the flash-decoding scheme, as vLLM CPU's and SGLang's CPU decode kernels use it; this
+// code is our own): one work item is (request, kv head, split of the row); the G q heads of the kv
+// head are processed together, so every K and V row is read from memory once per step. Each item
+// walks its tokens page by page with an online softmax (running max m, sum l, accumulator acc in
+// fp32). When B * kv_heads is below the thread count, rows are cut into splits whose partial
+// (m, l, acc) are merged afterwards. Nothing is gathered or padded: a row costs its own length.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp for x <= 0 (softmax arguments), vectorizable (no libm call): 2^n * p(r), x = n ln2 + r,
+// |r| <= ln2 / 2, degree-6 Taylor/Horner for e^r (relative error < 2e-7). x below -87 gives ~0.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// One row's tokens [t0, t1) of kv head kh for its G q heads: updates m [G], l [G], acc [G, D].
+// kbuf/vbuf: scratch [page_size, D] floats for converting a non-fp32 page once per G heads.
+template <typename T>
+void attend_range(const float* q, const T* k_base, const T* v_base, int64_t page_stride,
+                  int64_t tok_stride, const int32_t* pages, int64_t t0, int64_t t1, int64_t ps,
+                  int64_t G, int64_t D, float scale, float* m, float* l, float* acc, float* s,
+                  float* kbuf, float* vbuf) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t off = t % ps;
+    const int64_t n = std::min(ps - off, t1 - t);
+    const int64_t page = pages[t / ps];
+    const T* kp = k_base + page * page_stride + off * tok_stride;
+    const T* vp = v_base + page * page_stride + off * tok_stride;
+    const float* krow[64];  // n <= page_size <= 64 (checked by the caller)
+    const float* vrow[64];
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t j = 0; j < n; ++j) {
+        krow[j] = kp + j * tok_stride;
+        vrow[j] = vp + j * tok_stride;
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const T* kr = kp + j * tok_stride;
+        const T* vr = vp + j * tok_stride;
+        float* kd = kbuf + j * D;
+        float* vd = vbuf + j * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          kd[d] = to_float(kr[d]);
+          vd[d] = to_float(vr[d]);
+        }
+        krow[j] = kd;
+        vrow[j] = vd;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float* sg = s + g * ps;
+      float mx = m[g];
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kr = krow[j];
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kr[d];
+        sg[j] = dot * scale;
+        mx = std::max(mx, sg[j]);
+      }
+      const float alpha = exp_neg(m[g] - mx);  // m = -inf at the start: alpha = ~0, acc and l are 0
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        sg[j] = exp_neg(sg[j] - mx);
+        sum += sg[j];
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mx;
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = sg[j];
+        const float* vr = vrow[j];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * vr[d];
+      }
+    }
+    t += n;
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+         const at::Tensor& page_table, const at::Tensor& seq_lens, double scale_d, at::Tensor& out,
+         int64_t splits) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t ps = k_pages.size(1), KVH = k_pages.size(2), G = H / KVH;
+  const int64_t page_stride = k_pages.stride(0), tok_stride = k_pages.stride(1);
+  const int64_t head_stride = k_pages.stride(2);
+  const int64_t max_pages = page_table.size(1);
+  const float scale = static_cast<float>(scale_d);
+  const float* qp = q.data_ptr<float>();
+  const T* kb = k_pages.data_ptr<T>();
+  const T* vb = v_pages.data_ptr<T>();
+  const int32_t* pt = page_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t S = splits;
+  // partial results of every (b, kh, split): m [G], l [G], acc [G, D]
+  std::vector<float> part(S > 1 ? B * KVH * S * G * (D + 2) : 0);
+  const int64_t items = B * KVH * S;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(G * ps + 2 * ps * D + (S > 1 ? 0 : G * (D + 2)));
+    float* s = scratch.data();
+    float* kbuf = s + G * ps;
+    float* vbuf = kbuf + ps * D;
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / (KVH * S), kh = (it / S) % KVH, sp = it % S;
+      const int64_t len = lens[b];
+      // split boundaries on page edges, so a split never starts inside a page it shares
+      const int64_t pages_b = (len + ps - 1) / ps;
+      const int64_t per = (pages_b + S - 1) / S;
+      const int64_t t0 = std::min(len, sp * per * ps), t1 = std::min(len, (sp + 1) * per * ps);
+      float* m = S > 1 ? part.data() + it * G * (D + 2) : vbuf + ps * D;
+      float* l = m + G;
+      float* acc = l + G;
+      std::fill(m, m + G, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + G, 0.f);
+      std::fill(acc, acc + G * D, 0.f);
+      attend_range<T>(qp + (b * H + kh * G) * D, kb + kh * head_stride, vb + kh * head_stride,
+                      page_stride, tok_stride, pt + b * max_pages, t0, t1, ps, G, D, scale, m, l,
+                      acc, s, kbuf, vbuf);
+      if (S == 1) {
+        for (int64_t g = 0; g < G; ++g) {
+          float* o = op + (b * H + kh * G + g) * D;
+          const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+        }
+      }
+    }
+  });
+  if (S == 1) return;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bk = begin; bk < end; ++bk) {
+      const int64_t b = bk / KVH, kh = bk % KVH;
+      for (int64_t g = 0; g < G; ++g) {
+        float M = -std::numeric_limits<float>::infinity();
+        for (int64_t sp = 0; sp < S; ++sp) M = std::max(M, part[(bk * S + sp) * G * (D + 2) + g]);
+        float* o = op + (b * H + kh * G + g) * D;
+        std::fill(o, o + D, 0.f);
+        float L = 0.f;
+        for (int64_t sp = 0; sp < S; ++sp) {
+          const float* base = part.data() + (bk * S + sp) * G * (D + 2);
+          if (base[G + g] == 0.f) continue;  // an empty split (row shorter than its share)
+          const float w = exp_neg(base[g] - M);
+          L += base[G + g] * w;
+          const float* acc = base + 2 * G + g * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += acc[d] * w;
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  });
+}
+
+// q [B, H, D] float32 contiguous; k_pages / v_pages [P, page_size, KVH, D] float32 or bfloat16,
+// any page and token strides, head_dim contiguous; page_table int32 [B, max_pages]; seq_lens int32
+// [B]; out [B, H, D] float32 contiguous. splits >= 1: pieces each row is cut into.
+void paged_decode(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                  const at::Tensor& page_table, const at::Tensor& seq_lens, double scale,
+                  at::Tensor out, int64_t splits) {
+  TORCH_CHECK(q.device().is_cpu() && k_pages.device().is_cpu(), "paged_decode: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "paged_decode: q must be contiguous float32 [B, H, D]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "paged_decode: out must be contiguous float32 shaped like q");
+  TORCH_CHECK(k_pages.dim() == 4 && k_pages.sizes() == v_pages.sizes() &&
+                  k_pages.strides() == v_pages.strides() &&
+                  k_pages.scalar_type() == v_pages.scalar_type(),
+              "paged_decode: k_pages and v_pages must share shape, strides and dtype");
+  TORCH_CHECK(k_pages.stride(3) == 1 && k_pages.size(3) == q.size(2),
+              "paged_decode: head_dim must match q and be contiguous in the pool");
+  TORCH_CHECK(k_pages.size(1) <= 64, "paged_decode: page_size above 64");
+  TORCH_CHECK(q.size(1) % k_pages.size(2) == 0, "paged_decode: q heads not a multiple of kv heads");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == q.size(0) &&
+                  page_table.scalar_type() == at::kInt && page_table.is_contiguous(),
+              "paged_decode: page_table must be contiguous int32 [B, max_pages]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) &&
+                  seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+              "paged_decode: seq_lens must be contiguous int32 [B]");
+  TORCH_CHECK(splits >= 1, "paged_decode: splits < 1");
+  if (k_pages.scalar_type() == at::kFloat) {
+    run<float>(q, k_pages, v_pages, page_table, seq_lens, scale, out, splits);
+  } else if (k_pages.scalar_type() == at::kBFloat16) {
+    run<c10::BFloat16>(q, k_pages, v_pages, page_table, seq_lens, scale, out, splits);
+  } else {
+    TORCH_CHECK(false, "paged_decode: pool dtype must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over a KV pool (CPU)");
+}
