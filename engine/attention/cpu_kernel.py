@@ -79,6 +79,8 @@ def build(verbose: bool = False) -> Path:
 
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
+    # a pip-installed ninja sits next to this interpreter, which need not be on PATH (unactivated venv)
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     # copies: load() appends to the lists it is given, which would change build_key()
     cpp_extension.load(module_name(), [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                        build_directory=str(d), verbose=verbose)

@@ -3,8 +3,8 @@
 Decode (one new token per request): :meth:`init_forward` builds the page table int32 ``[B,
 max_pages]`` (page ``j`` of row ``b`` = ``req_to_token[row, j * page_size] // page_size``, docs/
 architecture.md "KV memory") and ``seq_lens`` int32 ``[B]`` once per step; every layer then calls
-``paged_decode`` (``csrc/paged_decode.cpp``: flash-decoding over (request, kv head, split) work
-items, the q heads of a kv head together, online softmax in fp32) on ``kv_pool.k_pages(layer)`` and
+``paged_decode`` (``csrc/paged_decode.cpp``: flash-decoding over (request, split) work items, each
+page read once for all q heads, online softmax in fp32) on ``kv_pool.k_pages(layer)`` and
 ``v_pages(layer)`` as they lie (either layout: only the strides differ). No page is copied and no
 row is padded to the longest. The result equals the reference SDPA within fp32 rounding (another
 summation order: tests/unit/test_attention_cpu_paged.py), not bit for bit.
@@ -56,9 +56,8 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         # entries past a row's own pages are never read; 0 keeps the table in range
         self._table = torch.where(own, first // ps, 0).to(torch.int32).contiguous()
         self._lens = seq_host.to(torch.int32).contiguous()
-        # rows cut in pieces only when (request, kv head) items cannot occupy every thread
-        items = batch.batch_size * self.num_kv_heads
-        self._splits = max(1, min(-(-torch.get_num_threads() // items), n_pages))
+        # rows are cut in pieces only when requests (one work item each) cannot occupy every thread
+        self._splits = max(1, min(-(-torch.get_num_threads() // batch.batch_size), n_pages))
 
     def forward(self, q, k, v, layer, batch):
         if batch.mode is not ForwardMode.DECODE:

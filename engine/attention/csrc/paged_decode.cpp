@@ -5,11 +5,15 @@
 // where token t of row b is offset t % page_size of page page_table[b, t / page_size].
 //
 // Design (the flash-decoding scheme, as vLLM CPU's and SGLang's CPU decode kernels use it; this
-// code is our own): one work item is (request, kv head, split of the row); the G q heads of the kv
-// head are processed together, so every K and V row is read from memory once per step. Each item
-// walks its tokens page by page with an online softmax (running max m, sum l, accumulator acc in
-// fp32). When B * kv_heads is below the thread count, rows are cut into splits whose partial
-// (m, l, acc) are merged afterwards. Nothing is gathered or padded: a row costs its own length.
+// code is our own): one work item is (request, split of its row) with every head of the request:
+// a page holds page_size * kv_heads * head_dim contiguous values per layer and K/V, so an item
+// streams each page once and all q heads (the G of each kv head, GQA) then read it from L1. Items
+// per (request, kv head) read a third of every token record each and, on this machine, ran ~3x
+// slower: the prefetcher fetched the other heads' lines too and they were evicted before use.
+// Each item walks its tokens page by page with an online softmax (running max m, sum l,
+// accumulator acc, all fp32). When B is below the thread count, rows are cut into page-aligned
+// splits whose partial (m, l, acc) are merged afterwards. Nothing is gathered or padded: a row
+// costs its own length.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -26,7 +30,8 @@ namespace {
 // |r| <= ln2 / 2, degree-6 Taylor/Horner for e^r (relative error < 2e-7). x below -87 gives ~0.
 inline float exp_neg(float x) {
   x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  // round to nearest by the 1.5 * 2^23 trick (vectorizes; nearbyint may not)
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
   float p = 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
@@ -49,77 +54,97 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 
-// One row's tokens [t0, t1) of kv head kh for its G q heads: updates m [G], l [G], acc [G, D].
-// kbuf/vbuf: scratch [page_size, D] floats for converting a non-fp32 page once per G heads.
-template <typename T>
+// One row's tokens [t0, t1) for all its heads: updates m [H], l [H], acc [H, D] (H = KVH * G, q head
+// h reads kv head h / G). Page by page, so each page's K and V (page_size * KVH * D contiguous
+// values in both layouts) are streamed from memory once and then reused from L1 by every q head.
+// DT: head_dim fixed at compile time (0 = runtime D), so the D loops unroll into registers.
+// s: scratch [H, page_size]; kbuf/vbuf: [page_size * KVH * D] floats for a non-fp32 page.
+template <typename T, int DT>
 void attend_range(const float* q, const T* k_base, const T* v_base, int64_t page_stride,
-                  int64_t tok_stride, const int32_t* pages, int64_t t0, int64_t t1, int64_t ps,
-                  int64_t G, int64_t D, float scale, float* m, float* l, float* acc, float* s,
-                  float* kbuf, float* vbuf) {
+                  int64_t tok_stride, int64_t head_stride, const int32_t* pages, int64_t t0,
+                  int64_t t1, int64_t ps, int64_t KVH, int64_t G, int64_t D_rt, float scale,
+                  float* m, float* l, float* acc, float* s, float* kbuf, float* vbuf) {
+  const int64_t D = DT ? DT : D_rt;
+  const int64_t H = KVH * G;
   for (int64_t t = t0; t < t1;) {
     const int64_t off = t % ps;
     const int64_t n = std::min(ps - off, t1 - t);
     const int64_t page = pages[t / ps];
     const T* kp = k_base + page * page_stride + off * tok_stride;
     const T* vp = v_base + page * page_stride + off * tok_stride;
-    const float* krow[64];  // n <= page_size <= 64 (checked by the caller)
-    const float* vrow[64];
+    // row (j, kv head kh) of K is kr + j * ktok + kh * khead
+    const float* kr;
+    const float* vr;
+    int64_t ktok, khead;
     if constexpr (std::is_same_v<T, float>) {
-      for (int64_t j = 0; j < n; ++j) {
-        krow[j] = kp + j * tok_stride;
-        vrow[j] = vp + j * tok_stride;
-      }
+      kr = kp;
+      vr = vp;
+      ktok = tok_stride;
+      khead = head_stride;
     } else {
       for (int64_t j = 0; j < n; ++j) {
-        const T* kr = kp + j * tok_stride;
-        const T* vr = vp + j * tok_stride;
-        float* kd = kbuf + j * D;
-        float* vd = vbuf + j * D;
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+          const T* ks = kp + j * tok_stride + kh * head_stride;
+          const T* vs = vp + j * tok_stride + kh * head_stride;
+          float* kd = kbuf + (j * KVH + kh) * D;
+          float* vd = vbuf + (j * KVH + kh) * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) {
-          kd[d] = to_float(kr[d]);
-          vd[d] = to_float(vr[d]);
+          for (int64_t d = 0; d < D; ++d) {
+            kd[d] = to_float(ks[d]);
+            vd[d] = to_float(vs[d]);
+          }
         }
-        krow[j] = kd;
-        vrow[j] = vd;
       }
+      kr = kbuf;
+      vr = vbuf;
+      ktok = KVH * D;
+      khead = D;
     }
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      float* sg = s + g * ps;
-      float mx = m[g];
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = q + h * D;
+      const float* kh_rows = kr + (h / G) * khead;
+      float* sh = s + h * ps;
       for (int64_t j = 0; j < n; ++j) {
-        const float* kr = krow[j];
+        const float* krow = kh_rows + j * ktok;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kr[d];
-        sg[j] = dot * scale;
-        mx = std::max(mx, sg[j]);
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * krow[d];
+        sh[j] = dot * scale;
       }
-      const float alpha = exp_neg(m[g] - mx);  // m = -inf at the start: alpha = ~0, acc and l are 0
+      float mx = m[h];
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sh[j]);
+      const float alpha = exp_neg(m[h] - mx);  // m = -inf at the start: alpha ~ 0, acc and l are 0
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < n; ++j) {
-        sg[j] = exp_neg(sg[j] - mx);
-        sum += sg[j];
+        sh[j] = exp_neg(sh[j] - mx);
+        sum += sh[j];
       }
-      l[g] = l[g] * alpha + sum;
-      m[g] = mx;
-      float* ag = acc + g * D;
+      l[h] = l[h] * alpha + sum;
+      m[h] = mx;
+      // the accumulator stays in registers across the page's tokens (DT known: a few vectors)
+      float a[DT ? DT : 1];
+      float* ah = acc + h * D;
+      float* av = DT ? a : ah;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+      for (int64_t d = 0; d < D; ++d) av[d] = ah[d] * alpha;
+      const float* vh_rows = vr + (h / G) * khead;
       for (int64_t j = 0; j < n; ++j) {
-        const float p = sg[j];
-        const float* vr = vrow[j];
+        const float p = sh[j];
+        const float* vrow = vh_rows + j * ktok;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * vr[d];
+        for (int64_t d = 0; d < D; ++d) av[d] += p * vrow[d];
+      }
+      if (DT) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ah[d] = av[d];
       }
     }
     t += n;
   }
 }
 
-template <typename T>
+template <typename T, int DT>
 void run(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
          const at::Tensor& page_table, const at::Tensor& seq_lens, double scale_d, at::Tensor& out,
          int64_t splits) {
@@ -136,55 +161,54 @@ void run(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pag
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const int64_t S = splits;
-  // partial results of every (b, kh, split): m [G], l [G], acc [G, D]
-  std::vector<float> part(S > 1 ? B * KVH * S * G * (D + 2) : 0);
-  const int64_t items = B * KVH * S;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(G * ps + 2 * ps * D + (S > 1 ? 0 : G * (D + 2)));
+  const int64_t state = H * (D + 2);  // m [H], l [H], acc [H, D] of one (request, split)
+  std::vector<float> part(S > 1 ? B * S * state : 0);
+  at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(H * ps + 2 * ps * KVH * D + (S > 1 ? 0 : state));
     float* s = scratch.data();
-    float* kbuf = s + G * ps;
-    float* vbuf = kbuf + ps * D;
+    float* kbuf = s + H * ps;
+    float* vbuf = kbuf + ps * KVH * D;
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t b = it / (KVH * S), kh = (it / S) % KVH, sp = it % S;
+      const int64_t b = it / S, sp = it % S;
       const int64_t len = lens[b];
-      // split boundaries on page edges, so a split never starts inside a page it shares
+      // split boundaries on page edges
       const int64_t pages_b = (len + ps - 1) / ps;
       const int64_t per = (pages_b + S - 1) / S;
       const int64_t t0 = std::min(len, sp * per * ps), t1 = std::min(len, (sp + 1) * per * ps);
-      float* m = S > 1 ? part.data() + it * G * (D + 2) : vbuf + ps * D;
-      float* l = m + G;
-      float* acc = l + G;
-      std::fill(m, m + G, -std::numeric_limits<float>::infinity());
-      std::fill(l, l + G, 0.f);
-      std::fill(acc, acc + G * D, 0.f);
-      attend_range<T>(qp + (b * H + kh * G) * D, kb + kh * head_stride, vb + kh * head_stride,
-                      page_stride, tok_stride, pt + b * max_pages, t0, t1, ps, G, D, scale, m, l,
-                      acc, s, kbuf, vbuf);
+      float* m = S > 1 ? part.data() + it * state : vbuf + ps * KVH * D;
+      float* l = m + H;
+      float* acc = l + H;
+      std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + H, 0.f);
+      std::fill(acc, acc + H * D, 0.f);
+      attend_range<T, DT>(qp + b * H * D, kb, vb, page_stride, tok_stride, head_stride,
+                          pt + b * max_pages, t0, t1, ps, KVH, G, D, scale, m, l, acc, s, kbuf,
+                          vbuf);
       if (S == 1) {
-        for (int64_t g = 0; g < G; ++g) {
-          float* o = op + (b * H + kh * G + g) * D;
-          const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+        for (int64_t h = 0; h < H; ++h) {
+          float* o = op + (b * H + h) * D;
+          const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[h * D + d] * inv;
         }
       }
     }
   });
   if (S == 1) return;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bk = begin; bk < end; ++bk) {
-      const int64_t b = bk / KVH, kh = bk % KVH;
-      for (int64_t g = 0; g < G; ++g) {
+  // merge the splits: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
         float M = -std::numeric_limits<float>::infinity();
-        for (int64_t sp = 0; sp < S; ++sp) M = std::max(M, part[(bk * S + sp) * G * (D + 2) + g]);
-        float* o = op + (b * H + kh * G + g) * D;
+        for (int64_t sp = 0; sp < S; ++sp) M = std::max(M, part[(b * S + sp) * state + h]);
+        float* o = op + (b * H + h) * D;
         std::fill(o, o + D, 0.f);
         float L = 0.f;
         for (int64_t sp = 0; sp < S; ++sp) {
-          const float* base = part.data() + (bk * S + sp) * G * (D + 2);
-          if (base[G + g] == 0.f) continue;  // an empty split (row shorter than its share)
-          const float w = exp_neg(base[g] - M);
-          L += base[G + g] * w;
-          const float* acc = base + 2 * G + g * D;
+          const float* base = part.data() + (b * S + sp) * state;
+          if (base[H + h] == 0.f) continue;  // an empty split (row shorter than its share)
+          const float w = exp_neg(base[h] - M);
+          L += base[H + h] * w;
+          const float* acc = base + 2 * H + h * D;
           for (int64_t d = 0; d < D; ++d) o[d] += acc[d] * w;
         }
         const float inv = L > 0.f ? 1.f / L : 0.f;
@@ -192,6 +216,17 @@ void run(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pag
       }
     }
   });
+}
+
+template <typename T>
+void run_dtype(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+               const at::Tensor& page_table, const at::Tensor& seq_lens, double scale,
+               at::Tensor& out, int64_t splits) {
+  switch (q.size(2)) {
+    case 64: return run<T, 64>(q, k_pages, v_pages, page_table, seq_lens, scale, out, splits);
+    case 128: return run<T, 128>(q, k_pages, v_pages, page_table, seq_lens, scale, out, splits);
+    default: return run<T, 0>(q, k_pages, v_pages, page_table, seq_lens, scale, out, splits);
+  }
 }
 
 // q [B, H, D] float32 contiguous; k_pages / v_pages [P, page_size, KVH, D] float32 or bfloat16,
@@ -221,9 +256,9 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_pages, const at::Tens
               "paged_decode: seq_lens must be contiguous int32 [B]");
   TORCH_CHECK(splits >= 1, "paged_decode: splits < 1");
   if (k_pages.scalar_type() == at::kFloat) {
-    run<float>(q, k_pages, v_pages, page_table, seq_lens, scale, out, splits);
+    run_dtype<float>(q, k_pages, v_pages, page_table, seq_lens, scale, out, splits);
   } else if (k_pages.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(q, k_pages, v_pages, page_table, seq_lens, scale, out, splits);
+    run_dtype<c10::BFloat16>(q, k_pages, v_pages, page_table, seq_lens, scale, out, splits);
   } else {
     TORCH_CHECK(false, "paged_decode: pool dtype must be float32 or bfloat16");
   }
