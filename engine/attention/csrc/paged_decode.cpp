@@ -54,6 +54,35 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 
+// 16 floats as one value (GCC/Clang vector extension: one zmm with AVX-512, two ymm with AVX2).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int v16i __attribute__((vector_size(64)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Lane j of the result = the sum of the 16 lanes of v[j]: 16 dot products' partial sums reduced
+// with 15 pairwise shuffle-adds instead of a scalar horizontal sum per dot (which the compiler
+// emits for a `simd reduction` and which cost more than the multiply-adds themselves).
+inline v16f transpose_sum16(const v16f* v) {
+  const v16i a_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const v16i b_lo = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const v16i c_lo = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const v16i d_lo = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  v16f a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // lanes 8k..8k+7: 8 partials of token 2i+k
+    a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], a_lo) + __builtin_shuffle(v[2 * i], v[2 * i + 1], a_lo + 8);
+  for (int i = 0; i < 4; ++i)  // lanes 4k..4k+3: 4 partials of token 4i+k
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], b_lo) + __builtin_shuffle(a[2 * i], a[2 * i + 1], b_lo + 4);
+  for (int i = 0; i < 2; ++i)  // lanes 2k, 2k+1: 2 partials of token 8i+k
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], c_lo) + __builtin_shuffle(b[2 * i], b[2 * i + 1], c_lo + 2);
+  return __builtin_shuffle(c[0], c[1], d_lo) + __builtin_shuffle(c[0], c[1], d_lo + 1);
+}
+
 // One row's tokens [t0, t1) for all its heads: updates m [H], l [H], acc [H, D] (H = KVH * G, q head
 // h reads kv head h / G). Page by page, so each page's K and V (page_size * KVH * D contiguous
 // values in both layouts) are streamed from memory once and then reused from L1 by every q head.
@@ -66,12 +95,25 @@ void attend_range(const float* q, const T* k_base, const T* v_base, int64_t page
                   float* m, float* l, float* acc, float* s, float* kbuf, float* vbuf) {
   const int64_t D = DT ? DT : D_rt;
   const int64_t H = KVH * G;
+  const bool contiguous_page = head_stride == D && tok_stride == KVH * D;
   for (int64_t t = t0; t < t1;) {
     const int64_t off = t % ps;
     const int64_t n = std::min(ps - off, t1 - t);
     const int64_t page = pages[t / ps];
     const T* kp = k_base + page * page_stride + off * tok_stride;
     const T* vp = v_base + page * page_stride + off * tok_stride;
+    if (t + n < t1 && contiguous_page) {
+      // the next page lies elsewhere in the pool: start its loads now, the prefetcher does not
+      // cross pages. Its K and V are page_size * KVH * D contiguous values each.
+      const int64_t next = pages[(t + n) / ps];
+      const char* nk = reinterpret_cast<const char*>(k_base + next * page_stride);
+      const char* nv = reinterpret_cast<const char*>(v_base + next * page_stride);
+      const int64_t bytes = ps * tok_stride * static_cast<int64_t>(sizeof(T));
+      for (int64_t o = 0; o < bytes; o += 64) {
+        __builtin_prefetch(nk + o);
+        __builtin_prefetch(nv + o);
+      }
+    }
     // row (j, kv head kh) of K is kr + j * ktok + kh * khead
     const float* kr;
     const float* vr;
@@ -103,13 +145,35 @@ void attend_range(const float* q, const T* k_base, const T* v_base, int64_t page
     for (int64_t h = 0; h < H; ++h) {
       const float* qh = q + h * D;
       const float* kh_rows = kr + (h / G) * khead;
+      const float* vh_rows = vr + (h / G) * khead;
       float* sh = s + h * ps;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* krow = kh_rows + j * ktok;
-        float dot = 0.f;
+      float* ah = acc + h * D;
+      if constexpr (DT % 16 == 0 && DT > 0) {
+        constexpr int C = DT / 16;
+        v16f qv[C];
+        for (int c = 0; c < C; ++c) qv[c] = load16(qh + 16 * c);
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+          v16f part[16];
+          for (int64_t j = 0; j < 16; ++j) {
+            v16f sum = {};
+            if (j0 + j < n) {
+              const float* krow = kh_rows + (j0 + j) * ktok;
+              for (int c = 0; c < C; ++c) sum += qv[c] * load16(krow + 16 * c);
+            }
+            part[j] = sum;
+          }
+          float tmp[16];
+          store16(tmp, transpose_sum16(part) * scale);
+          for (int64_t j = j0; j < std::min(n, j0 + 16); ++j) sh[j] = tmp[j - j0];
+        }
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          const float* krow = kh_rows + j * ktok;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qh[d] * krow[d];
-        sh[j] = dot * scale;
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * krow[d];
+          sh[j] = dot * scale;
+        }
       }
       float mx = m[h];
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sh[j]);
@@ -122,22 +186,26 @@ void attend_range(const float* q, const T* k_base, const T* v_base, int64_t page
       }
       l[h] = l[h] * alpha + sum;
       m[h] = mx;
-      // the accumulator stays in registers across the page's tokens (DT known: a few vectors)
-      float a[DT ? DT : 1];
-      float* ah = acc + h * D;
-      float* av = DT ? a : ah;
+      if constexpr (DT % 16 == 0 && DT > 0) {
+        // the accumulator stays in registers across the page's tokens
+        constexpr int C = DT / 16;
+        v16f av[C];
+        for (int c = 0; c < C; ++c) av[c] = load16(ah + 16 * c) * alpha;
+        for (int64_t j = 0; j < n; ++j) {
+          const float p = sh[j];
+          const float* vrow = vh_rows + j * ktok;
+          for (int c = 0; c < C; ++c) av[c] += p * load16(vrow + 16 * c);
+        }
+        for (int c = 0; c < C; ++c) store16(ah + 16 * c, av[c]);
+      } else {
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) av[d] = ah[d] * alpha;
-      const float* vh_rows = vr + (h / G) * khead;
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = sh[j];
-        const float* vrow = vh_rows + j * ktok;
+        for (int64_t d = 0; d < D; ++d) ah[d] *= alpha;
+        for (int64_t j = 0; j < n; ++j) {
+          const float p = sh[j];
+          const float* vrow = vh_rows + j * ktok;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) av[d] += p * vrow[d];
-      }
-      if (DT) {
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ah[d] = av[d];
+          for (int64_t d = 0; d < D; ++d) ah[d] += p * vrow[d];
+        }
       }
     }
     t += n;
