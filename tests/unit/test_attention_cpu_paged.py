@@ -2,7 +2,7 @@
 SDPA on random pools: ragged rows (1 token, a page minus one, a page, a page plus one, > 1000
 tokens) in one batch on scattered pages, a row sharing its prefix pages with another (the radix
 cache), GQA groups 1/3/4, kv heads 1..3, both pool layouts, float32 (1e-5) and bfloat16 pools,
-rows split across threads (flash-decoding merge). ``auto`` picks it on CPU, and says why when not.
+rows split across threads (flash-decoding merge), head_dim 16/64/80/128. ``auto`` picks it on CPU, and says why when not.
 
 The kernel must be built (``make kernels``; ``make test`` does it first): a missing build fails here
 with the build command rather than compiling inside a test's timeout.
@@ -31,11 +31,11 @@ def kernel_built():
     assert mod is not None, why
 
 
-def _setup(layout, kvh, group, lens, dtype=torch.float32, share_prefix=False, seed=0):
+def _setup(layout, kvh, group, lens, dtype=torch.float32, share_prefix=False, seed=0, d=D):
     g = torch.Generator().manual_seed(seed)
     need = [-(-(n + 1) // PS) for n in lens]
     pages = sum(need) + 5
-    pool = KVPool(pages, PS, LAYERS, kvh, D, dtype, "cpu", layout=layout)
+    pool = KVPool(pages, PS, LAYERS, kvh, d, dtype, "cpu", layout=layout)
     for buf in pool.buffers():
         buf.copy_(torch.randn(buf.shape, generator=g))
     r2t = ReqToTokenPool(len(lens) + 1, 2048)
@@ -53,16 +53,16 @@ def _setup(layout, kvh, group, lens, dtype=torch.float32, share_prefix=False, se
         r2t.write(row, 0, slots)
         r2t.req_to_token[row, n + 1:] = order[0] * PS  # stale slots past the row's end
         rows.append(row)
-    kw = dict(kv_pool=pool, req_to_token_pool=r2t, num_heads=kvh * group, num_kv_heads=kvh, head_dim=D)
+    kw = dict(kv_pool=pool, req_to_token_pool=r2t, num_heads=kvh * group, num_kv_heads=kvh, head_dim=d)
     return pool, r2t, rows, kw, g
 
 
-def _decode_both(layout, kvh, group, lens, dtype=torch.float32, share_prefix=False):
-    pool, r2t, rows, kw, g = _setup(layout, kvh, group, lens, dtype, share_prefix)
+def _decode_both(layout, kvh, group, lens, dtype=torch.float32, share_prefix=False, d=D):
+    pool, r2t, rows, kw, g = _setup(layout, kvh, group, lens, dtype, share_prefix, d=d)
     batch = ForwardBatch.decode(rows, lens, [0] * len(lens), r2t.req_to_token)
     H, B = kvh * group, len(lens)
-    q = torch.randn(B, H, D, generator=g).to(dtype)
-    k, v = torch.randn(B, kvh, D, generator=g).to(dtype), torch.randn(B, kvh, D, generator=g).to(dtype)
+    q = torch.randn(B, H, d, generator=g).to(dtype)
+    k, v = torch.randn(B, kvh, d, generator=g).to(dtype), torch.randn(B, kvh, d, generator=g).to(dtype)
     outs = {}
     for name in ("torch", "cpu_paged"):
         backend = create_backend(name, **kw)
@@ -79,6 +79,14 @@ def test_kernel_matches_reference_fp32(layout, kvh, group):
         assert got.shape == want.shape == (len(LENS), kvh * group * D) and got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool.read(1, batch.out_cache_loc)[0], k)  # the new K/V were stored
+
+
+@pytest.mark.parametrize("d", [16, 80, 128])
+def test_kernel_other_head_dims(d):
+    """128 has its own compiled variant (as 64 does); 16 and 80 take the runtime-D loops."""
+    outs, *_ = _decode_both("layer_major", 2, 3, LENS, d=d)
+    for want, got in zip(outs["torch"], outs["cpu_paged"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_shared_prefix_pages():
