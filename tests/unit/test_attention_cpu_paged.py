@@ -2,7 +2,7 @@
 SDPA on random pools: ragged rows (1 token, a page minus one, a page, a page plus one, > 1000
 tokens) in one batch on scattered pages, a row sharing its prefix pages with another (the radix
 cache), GQA groups 1/3/4, kv heads 1..3, both pool layouts, float32 (1e-5) and bfloat16 pools,
-rows split across threads (flash-decoding merge), head_dim 16/64/80/128. ``auto`` picks it on CPU, and says why when not.
+rows split across threads (flash-decoding merge), head_dim 16/64/80/128, page sizes 1-48. ``auto`` picks it on CPU, and says why when not.
 
 The kernel must be built (``make kernels``; ``make test`` does it first): a missing build fails here
 with the build command rather than compiling inside a test's timeout.
@@ -31,11 +31,11 @@ def kernel_built():
     assert mod is not None, why
 
 
-def _setup(layout, kvh, group, lens, dtype=torch.float32, share_prefix=False, seed=0, d=D):
+def _setup(layout, kvh, group, lens, dtype=torch.float32, share_prefix=False, seed=0, d=D, ps=PS):
     g = torch.Generator().manual_seed(seed)
-    need = [-(-(n + 1) // PS) for n in lens]
+    need = [-(-(n + 1) // ps) for n in lens]
     pages = sum(need) + 5
-    pool = KVPool(pages, PS, LAYERS, kvh, d, dtype, "cpu", layout=layout)
+    pool = KVPool(pages, ps, LAYERS, kvh, d, dtype, "cpu", layout=layout)
     for buf in pool.buffers():
         buf.copy_(torch.randn(buf.shape, generator=g))
     r2t = ReqToTokenPool(len(lens) + 1, 2048)
@@ -49,16 +49,16 @@ def _setup(layout, kvh, group, lens, dtype=torch.float32, share_prefix=False, se
             own[:k] = first_pages[:k]
         if first_pages is None:
             first_pages = own
-        slots = (torch.tensor(own)[:, None] * PS + torch.arange(PS)[None, :]).reshape(-1)[:n + 1]
+        slots = (torch.tensor(own)[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:n + 1]
         r2t.write(row, 0, slots)
-        r2t.req_to_token[row, n + 1:] = order[0] * PS  # stale slots past the row's end
+        r2t.req_to_token[row, n + 1:] = order[0] * ps  # stale slots past the row's end
         rows.append(row)
     kw = dict(kv_pool=pool, req_to_token_pool=r2t, num_heads=kvh * group, num_kv_heads=kvh, head_dim=d)
     return pool, r2t, rows, kw, g
 
 
-def _decode_both(layout, kvh, group, lens, dtype=torch.float32, share_prefix=False, d=D):
-    pool, r2t, rows, kw, g = _setup(layout, kvh, group, lens, dtype, share_prefix, d=d)
+def _decode_both(layout, kvh, group, lens, dtype=torch.float32, share_prefix=False, d=D, ps=PS):
+    pool, r2t, rows, kw, g = _setup(layout, kvh, group, lens, dtype, share_prefix, d=d, ps=ps)
     batch = ForwardBatch.decode(rows, lens, [0] * len(lens), r2t.req_to_token)
     H, B = kvh * group, len(lens)
     q = torch.randn(B, H, d, generator=g).to(dtype)
@@ -85,6 +85,15 @@ def test_kernel_matches_reference_fp32(layout, kvh, group):
 def test_kernel_other_head_dims(d):
     """128 has its own compiled variant (as 64 does); 16 and 80 take the runtime-D loops."""
     outs, *_ = _decode_both("layer_major", 2, 3, LENS, d=d)
+    for want, got in zip(outs["torch"], outs["cpu_paged"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ps", [1, 4, 32, 48])
+def test_kernel_other_page_sizes(ps):
+    """Pages of fewer and of more than the 16 tokens one QK block sums (48: three blocks a page)."""
+    lens = [1, ps - 1 or 1, ps, ps + 1, 3 * ps + 5, 700]
+    outs, *_ = _decode_both("page_major", 3, 3, lens, ps=ps)
     for want, got in zip(outs["torch"], outs["cpu_paged"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
