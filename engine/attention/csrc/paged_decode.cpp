@@ -104,17 +104,21 @@ void attend_range(const float* q, const T* k_base, const T* v_base, int64_t page
     const int64_t page = pages[t / ps];
     const T* kp = k_base + page * page_stride + off * tok_stride;
     const T* vp = v_base + page * page_stride + off * tok_stride;
-    if (t + n < t1 && contiguous_page) {
-      // the next page lies elsewhere in the pool: start its loads now, the prefetcher does not
-      // cross pages. Its K and V are page_size * KVH * D contiguous values each.
-      const int64_t next = pages[(t + n) / ps];
-      const char* nk = reinterpret_cast<const char*>(k_base + next * page_stride);
-      const char* nv = reinterpret_cast<const char*>(v_base + next * page_stride);
-      const int64_t bytes = ps * tok_stride * static_cast<int64_t>(sizeof(T));
-      for (int64_t o = 0; o < bytes; o += 64) {
-        __builtin_prefetch(nk + o);
-        __builtin_prefetch(nv + o);
-      }
+    // the next page lies elsewhere in the pool and the hardware prefetcher does not cross pages:
+    // its K and V (page_size * KVH * D contiguous values each) are prefetched while this page is
+    // computed, a slice per q head. On one thread this was 1.5-2x faster at B=1 ctx 2000 and B=8
+    // ctx 640 than one burst at the page's start (one or two pages ahead: 5-15 % over no prefetch)
+    // and than the same slices into L2 only.
+    const int64_t ahead = (t / ps + 1) * ps;  // first token of the next page
+    const char* nk = nullptr;
+    const char* nv = nullptr;
+    int64_t pf_slice = 0;
+    if (ahead < t1 && contiguous_page) {
+      const int64_t next = pages[ahead / ps];
+      nk = reinterpret_cast<const char*>(k_base + next * page_stride);
+      nv = reinterpret_cast<const char*>(v_base + next * page_stride);
+      const int64_t lines = (ps * tok_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+      pf_slice = (lines + H - 1) / H;
     }
     // row (j, kv head kh) of K is kr + j * ktok + kh * khead
     const float* kr;
@@ -145,6 +149,12 @@ void attend_range(const float* q, const T* k_base, const T* v_base, int64_t page
       khead = D;
     }
     for (int64_t h = 0; h < H; ++h) {
+      if (nk != nullptr) {
+        for (int64_t i = h * pf_slice; i < (h + 1) * pf_slice; ++i) {
+          __builtin_prefetch(nk + 64 * i);
+          __builtin_prefetch(nv + 64 * i);
+        }
+      }
       const float* qh = q + h * D;
       const float* kh_rows = kr + (h / G) * khead;
       const float* vh_rows = vr + (h / G) * khead;
