@@ -181,3 +181,18 @@ def test_unbuilt_kernel_auto_falls_back_with_reason_explicit_raises(monkeypatch,
     pool, r2t, rows, kw, g = _setup("page_major", 1, 1, [3])
     with pytest.raises(ValueError, match="attention_backend: cpu_paged: not built"):
         create_backend("cpu_paged", **kw)
+
+
+def test_load_never_builds_and_names_the_build_command(monkeypatch, tmp_path):
+    """A home without this source's build: no compiler runs, the reason names the directory and
+    `make kernels`; the key follows the source, so an edited kernel is never a stale import."""
+    monkeypatch.setenv("HALFMOON_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "_loaded", None)
+    mod, why = cpu_kernel.load()
+    assert mod is None and str(tmp_path / "kernels") in why and "make kernels" in why
+    assert not (tmp_path / "kernels").exists()
+    key = cpu_kernel.build_key()
+    src = tmp_path / "paged_decode.cpp"
+    src.write_bytes(cpu_kernel.SOURCE.read_bytes() + b"// edited\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", src)
+    assert cpu_kernel.build_key() != key
