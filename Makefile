@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: install tools model test test-slow demo protos clean
+.PHONY: install kernels tools model test test-slow demo protos clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ install: $(VENV)/.installed
 tools: install
 	./scripts/install-tools.sh
 
+# The CPU paged decode-attention kernel, compiled once per machine into $HALFMOON_HOME/kernels
+# (engine/attention/cpu_kernel.py); without it CPU workers fall back to torch_paged and log why.
+kernels: install
+	$(BIN)/python -m engine.attention.cpu_kernel
+
 model: install
 	$(BIN)/halfmoon models pull $(MODEL)
 
@@ -33,14 +38,14 @@ protos: install
 # Two pytest workers (a module's tests stay on one, so its stack is shared): the real-process tests
 # are CPU-bound at one torch thread per process, and one worker left the second core half idle.
 TEST_WORKERS ?= 2
-test: install tools model
+test: install kernels tools model
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
-test-slow: install tools model
+test-slow: install kernels tools model
 	$(BIN)/python -m pytest tests -m slow
 
-demo: install model
+demo: install kernels model
 	$(BIN)/halfmoon demo --model $(MODEL)
 
 clean:

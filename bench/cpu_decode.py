@@ -9,7 +9,9 @@ weights, all loaded at once):
 baseline    ``fused_ops=False``, ``cpu_linear=torch``, ``attention_backend=torch`` (211 GEMMs/step)
 fused       + q/k/v and gate/up fused (121 GEMMs), still ``F.linear``
 packed      + oneDNN weights packed once (``cpu_linear=packed``)
-paged       + the ``torch_paged`` page-level decode gather (= the default configuration)
+paged       + the ``torch_paged`` page-level decode gather
+cpu_paged   + the C++ paged decode kernel reading the pool in place (``cpu_paged``: the default
+            configuration once ``make kernels`` built it; ``bench/cpu_attention.py`` times it alone)
 ==========  ===========================================================================
 
 For each batch B and context C: B rows of C tokens already in the pool, then ``--steps`` decode
@@ -42,6 +44,7 @@ VARIANTS = {
     "fused": dict(fused_ops=True, cpu_linear="torch", attention_backend="torch"),
     "packed": dict(fused_ops=True, cpu_linear="packed", attention_backend="torch"),
     "paged": dict(fused_ops=True, cpu_linear="packed", attention_backend="torch_paged"),
+    "cpu_paged": dict(fused_ops=True, cpu_linear="packed", attention_backend="cpu_paged"),
 }
 
 

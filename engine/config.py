@@ -191,7 +191,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     torch_threads: int | None = None
     workers_on_host: int = 1
-    attention_backend: str = "auto"  # "auto" (flashinfer on CUDA bf16/fp16, else torch_paged) | "torch" | "torch_paged" | "flashinfer"
+    attention_backend: str = "auto"  # "auto" (flashinfer on CUDA bf16/fp16, cpu_paged on CPU when built, else torch_paged) | "torch" | "torch_paged" | "cpu_paged" | "flashinfer"
     seed: int = 0  # dummy weights
     cuda_graph: bool = True  # capture decode batches in CUDA graphs (CUDA + flashinfer only)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default max_running_requests)

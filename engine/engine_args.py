@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from engine.attention import BACKENDS
 from engine.config import EngineConfig
 from engine.device import check_device, device_spec
 from engine.kvcache.kv_pool import KV_LAYOUTS
@@ -92,7 +93,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: 1 when --workers-on-host > 1, else torch's)")
     g.add_argument("--workers-on-host", type=int, default=1, help="engine processes sharing this machine")
-    g.add_argument("--attention-backend", default=d.attention_backend)
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=BACKENDS,
+                   help="auto: flashinfer on CUDA bf16/fp16, cpu_paged on CPU once `make kernels` built it "
+                        "(else torch_paged, logged) | torch | torch_paged | cpu_paged | flashinfer")
     g.add_argument("--cpu-linear", default=d.cpu_linear, choices=[m.value for m in CpuLinear],
                    help="float32 CPU GEMMs: packed (oneDNN weights packed once) | torch (F.linear)")
     g.add_argument("--kv-layout", default=d.kv_layout, choices=KV_LAYOUTS,

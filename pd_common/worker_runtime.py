@@ -25,6 +25,7 @@ import threading
 
 from grpc_health.v1 import health_pb2
 
+from engine.attention import BACKENDS
 from engine.device import check_device, device_spec
 from engine.engine_args import int_at_least, non_negative_float
 from pd_common.cpu_share import add_cpu_share_argument, open_cpu_share
@@ -53,6 +54,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--kv-layout", default="page_major", choices=["page_major", "layer_major"],
                         help="KV pool layout (P and D must match): page_major = one transfer put per "
                              "page run | layer_major = one per run per layer per K/V")
+    parser.add_argument("--attention-backend", default="auto", choices=BACKENDS,
+                        help="auto: flashinfer on CUDA bf16/fp16, cpu_paged on CPU once `make kernels` "
+                             "built it (else torch_paged, logged) | torch | torch_paged | cpu_paged | flashinfer")
     parser.add_argument("--kv-memory-mb", type=float, default=512.0, help="KV pool budget in MiB")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-memory-mb)")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op torch threads")
@@ -194,7 +198,8 @@ def engine_config(args, rows: int, disable_radix_cache: bool = False):
                         num_pages=args.num_pages, max_running_requests=rows,
                         max_context=args.max_context, chunked_prefill_size=args.chunked_prefill_size,
                         disable_radix_cache=disable_radix_cache, torch_threads=args.torch_threads,
-                        kv_layout=args.kv_layout, tp_size=args.tp, tp_timeout_s=args.tp_timeout)
+                        kv_layout=args.kv_layout, tp_size=args.tp, tp_timeout_s=args.tp_timeout,
+                        attention_backend=args.attention_backend)
 
 
 def check_tp_flags(args) -> str | None:

@@ -100,6 +100,8 @@ def test_logits_within_fp32_tolerance_and_pool_holds_own_kv_heads(engine, refere
     assert runner.model._fused is not None
     assert isinstance(layer.self_attn.o_proj, PackedRowParallelLinear)
     assert isinstance(layer.mlp.down_proj, PackedRowParallelLinear)
+    # the CPU default decode attention (the C++ kernel, `make kernels`) on the rank's kv heads
+    assert type(runner.backend).__name__ == "CpuPagedAttentionBackend"
     for ids, ref_logits in zip(prompts, want):
         row = runner.req_to_token_pool.alloc()
         slots = runner.allocator.alloc_slots(0, len(ids), None)

@@ -1,7 +1,7 @@
 """The ``torch_paged`` backend's page-level decode gather is bit-identical to the reference ``torch``
 backend: ragged rows (1 token, a page minus one, exactly a page, a page plus one, many pages) on
 shuffled pages, stale slots past each row's end, both pool layouts; extend over a cached prefix reads the
-reference values and shapes. ``auto`` picks it on CPU."""
+reference values and shapes. ``auto`` picks it on CPU when the cpu_paged kernel is not built."""
 
 from __future__ import annotations
 
@@ -87,5 +87,8 @@ def test_paged_extend_over_a_prefix_bit_identical_to_reference():
     assert torch.equal(outs[0], outs[1])
 
 
-def test_auto_is_torch_paged_on_cpu():
+def test_auto_is_torch_paged_on_cpu_without_the_kernel(monkeypatch):
+    from engine.attention import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "_loaded", (None, "HALFMOON_CPU_KERNEL=off"))
     assert resolve_backend_name("auto", torch.device("cpu"), torch.float32) == "torch_paged"
