@@ -44,6 +44,7 @@ from engine.kvcache.cache_manager import CacheManager
 from engine.kvcache.kv_pool import KVPool
 from engine.sampler import make_generator
 from engine.sampling_params import for_sample
+from pd_common.head_blocks import copy_pages_on_ranks
 from pd_common.protocol import ServiceError
 from protos import common_pb2, decode_pb2
 
@@ -93,12 +94,14 @@ class Forks:
         finish: ends a request whose samples all ended by themselves (its stream ends).
         fail: fails a request (its stream ends with the error).
         tokenizer: for each sample's stop-string detokenizer (None: no stop strings).
+        group: D's ``TPGroup`` under tensor parallelism (the copies go to every rank), else None.
     """
 
     def __init__(self, pool: KVPool, kv: CacheManager, memory: DecodeMemory, running: RunningBatch, *,
                  end: Callable[[DecodeJob], None], finish: Callable[[DecodeJob], None],
-                 fail: Callable[[DecodeJob, ServiceError], None], tokenizer=None):
+                 fail: Callable[[DecodeJob, ServiceError], None], tokenizer=None, group=None):
         self.pool, self.kv, self.memory, self.running = pool, kv, memory, running
+        self.group = group  # D's TPGroup (None: one rank): followers copy their own heads of a page
         self._end, self._finish, self._fail = end, finish, fail
         self.tokenizer = tokenizer
         self._forks: dict[DecodeJob, Fork] = {}
@@ -172,7 +175,7 @@ class Forks:
         src = r2t[first.lease.row, lease.pre_len:n:ps] // ps
         dst = r2t[lease.row, lease.pre_len:n:ps] // ps
         if src.numel():
-            self.pool.copy_pages(src, dst)
+            copy_pages_on_ranks(self.pool, self.group, src, dst)  # every rank holds some of its heads
         return lease
 
     def _done(self, request: DecodeJob) -> None:

@@ -128,7 +128,8 @@ class DecodeScheduler(SchedulerLoop):
         self.local = LocalPrefillQueue(runner, self.kv, self.memory, self._live,
                                        chunk_tokens=self.memory.chunk_tokens, page_sums=self.page_sums)
         self.forks = Forks(runner.kv_pool, self.kv, self.memory, self.running, end=self._end_sample,
-                           finish=self._finish_forked, fail=self._fail, tokenizer=tokenizer)
+                           finish=self._finish_forked, fail=self._fail, tokenizer=tokenizer,
+                           group=runner.tp)
         self._arrivals = itertools.count()
         self._notice_thread = threading.Thread(target=self._pump_notices, name="decode-notices", daemon=True)
 

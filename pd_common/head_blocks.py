@@ -148,3 +148,41 @@ class HeadUnblocker:
             else:
                 self.group.send_command(rank, UnblockCommand(pages, [list(b) for b in blocks]).encode())
         return ""
+
+
+COPY_KIND = "copy_pages"  # D's fork: the "kind" of a page copy on the TP command pipe
+
+
+@dataclass
+class CopyPagesCommand:
+    """Rank 0 -> follower: copy pages ``src`` of your pool into ``dst`` (``KVPool.copy_pages``): a
+    forked request's partial last page (decode_svc/fork.py). No reply: the pipe's order puts it
+    before any forward that reads ``dst``."""
+
+    src: list[int]
+    dst: list[int]
+    kind: str = COPY_KIND
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+
+def is_copy_pages(payload: dict) -> bool:
+    """Whether a decoded command (JSON object) is a ``CopyPagesCommand``."""
+    return payload.get("kind") == COPY_KIND
+
+
+def copy_pages_on_ranks(pool, group, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy pages ``src`` into ``dst`` in rank 0's ``pool`` and, under TP (``group``), in every
+    follower's: each rank holds only its own kv heads of a page. Call from the thread that runs the
+    forwards.
+
+    Raises:
+        TPRankDied: a follower's pipe is gone (the worker is going down).
+    """
+    pool.copy_pages(src, dst)
+    if group is None or group.size <= 1:
+        return
+    cmd = CopyPagesCommand([int(p) for p in src.tolist()], [int(p) for p in dst.tolist()]).encode()
+    for rank in range(1, group.size):
+        group.send_command(rank, cmd)

@@ -118,7 +118,7 @@ class RankWrites:
         engine: this rank's transfer engine (its pool registered). region: its page_major pool
             ``[pages, layers, 2, page_size, heads, head_dim]``. me: its region as peers see it.
         shape: the page shape. staging_bytes: the staging area's size (at least two pages of this
-            rank's heads; ``prefill --kv-staging-mb``).
+            rank's heads; ``prefill --kv-staging-mb``), capped at the rank's pool size.
     Raises:
         ValueError: ``staging_bytes`` below two pages of this rank's heads.
     """
@@ -128,6 +128,10 @@ class RankWrites:
             raise ValueError(f"staging area of {staging_bytes} bytes is below two pages of "
                              f"{shape.stride(me.heads)} bytes")
         self.engine, self.region, self.me, self.shape = engine, region, me, shape
+        # a gather never holds more than the rank's whole pool: a larger area (--kv-staging-mb 1e9)
+        # would only fail to allocate at the first staged write, failing every such request
+        pool_bytes = region.numel() * region.element_size()
+        staging_bytes = min(int(staging_bytes), max(pool_bytes, 2 * shape.stride(me.heads)))
         self.staging = StagingArea(engine, region, staging_bytes)
         self._ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}

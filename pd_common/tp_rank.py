@@ -12,7 +12,8 @@ completed or one failed (``WriteReply``, with the per-(page, kv head) checksums 
 when the command asks), which rank 0 needs before it sends D the notice. On a decode worker it
 rewrites head-blocked delta pages token-major when rank 0 says so
 (``pd_common.head_blocks.UnblockCommand``, no reply: the pipe's order puts it before any forward or
-checksum query reading them). On P and D it answers rank 0's accounting queries
+checksum query reading them), and copies a forked request's partial last page into each sample's
+page (``CopyPagesCommand``, the same way). On P and D it answers rank 0's accounting queries
 (``pd_common.rank_accounting``) and, on D, its checksum queries (``pd_common.rank_checksums``).
 """
 
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from engine.distributed.follower import parse_args, run_follower
 from pd_common import rank_checksums
-from pd_common.head_blocks import is_unblock, unblock_pages
+from pd_common.head_blocks import is_copy_pages, is_unblock, unblock_pages
 from pd_common.head_checksums import head_checksums
 from pd_common.head_slices import PageShape, RankWrite
 from pd_common.rank_accounting import answer, is_accounting
@@ -135,6 +136,9 @@ class WriteAgent:
             if is_unblock(d):
                 self._unblock(d)
                 return
+            if is_copy_pages(d):  # D forked a request: its samples' copies of the partial last page
+                self._copy_pages(d)
+                return
             if rank_checksums.is_head_sums(d):  # D's rank 0 checks pages of every rank's heads
                 self.group.reply(rank_checksums.answer(d, self.me.rank, self.runner).encode())
                 return
@@ -177,6 +181,15 @@ class WriteAgent:
             unblock_pages(self.runner.kv_pool.region, d["pages"], d["blocks"])
         except (ValueError, TypeError, RuntimeError) as e:
             raise RuntimeError(f"tensor-parallel rank {self.me.rank}: cannot unblock KV pages: {e}") from None
+
+    def _copy_pages(self, d: dict) -> None:
+        import torch
+
+        try:
+            self.runner.kv_pool.copy_pages(torch.as_tensor(d["src"], dtype=torch.int64),
+                                           torch.as_tensor(d["dst"], dtype=torch.int64))
+        except (ValueError, TypeError, KeyError, RuntimeError, IndexError) as e:
+            raise RuntimeError(f"tensor-parallel rank {self.me.rank}: cannot copy KV pages: {e}") from None
 
     def _finish(self, cid: int, jid: int, sums: tuple[list[int], list[list[int]]] = ([], [])) -> None:
         st = self._writes.wait(jid)

@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-staging-mb", type=positive_float, default=float(DEFAULT_STAGING_MB),
                         help="per rank: the registered buffer a rank gathers a kv-head slice of the delta "
                              "pages into when it sends a decode rank only some of its heads (P and D split "
-                             "the heads differently); at least two pages of the rank's heads")
+                             "the heads differently); at least two pages of the rank's heads; more than the rank's KV "
+                             "pool is capped at the pool's size")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,9 @@ those writes travel over several endpoints, the transfer engine's notice orderin
 batches to ONE segment) does not cover them: ``DeltaSender`` queues the notice only once every
 rank batch of the job completed. With checksums asked, each rank sums the kv heads it writes
 (``pd_common.head_checksums``; rank 0 at submit, a follower in its ``WriteReply``) and
-``head_sums`` gives the batch's sums of every head written, each from its writer.
+``head_sums`` gives the batch's sums of every head written, each from its writer. A follower's
+transfer engine counts its bytes in the follower's process, which serves no metrics:
+``halfmoon_transfer_bytes_total`` gets them here, from its ``WriteReply``.
 
 Each write moves one contiguous block per page (``pd_common.head_slices``): from the P page itself
 or, where the P rank sends only some of its heads, from its registered staging area
@@ -32,6 +34,7 @@ from pd_common.head_checksums import HeadSums, by_head, head_checksums
 from pd_common.head_slices import PageShape, block_write, check_pages, head_cuts, plan_rank_writes
 from pd_common.staged_writes import RankWrites, Target
 from pd_common.tp_rank import WriteCommand, WriteReply, WriteTarget
+from telemetry import metrics as M
 from transfer_svc.engine import BatchStatus, DescriptorError, State
 from transfer_svc.rank_regions import RankRegion, rank_descriptor, rank_regions
 
@@ -178,6 +181,8 @@ class RankWriter:
                 if "kind" in d:
                     continue  # a late answer to a timed-out query (accounting)
                 reply = WriteReply(**d)
+                if reply.ok:  # a follower's engine counts in its own process, which no one scrapes
+                    M.TRANSFER_BYTES.inc(reply.nbytes)
                 bid = self._by_cmd.pop(reply.id, None)
                 if bid in self._batches:
                     self._batches[bid].replies[rank] = reply

@@ -13,6 +13,8 @@ pair, the default model (SmolLM2-135M: 3 kv heads, so TP=2 splits them 2 + 1). O
   plan this replaced was 960 per page: seconds per batch): whole P pages head-blocked into D's
   (2 -> 1, D unblocks them), P's gathered head slices into whole D pages (1 -> 2), whole pages
   (2 -> 2); tokens equal the co-located engine's;
+* an n=3 request forks on D: every sample's tokens equal the co-located engine's (each D rank
+  copies its heads of the partial last page);
 * a follower rank SIGKILLed mid-request: its worker exits within seconds and deregisters, the
   request ends instead of hanging, the peer worker keeps serving and ends idle.
 """
@@ -150,6 +152,30 @@ def test_a_long_delta_moves_one_put_per_page_per_rank_write(stack, prompts, refe
     notice = [r for r in stack.transfer_records() if r["event"] == "notice" and r["room"] == res.room]
     assert notice and notice[0]["ok"] and notice[0]["pages_sent"] == LONG_PAGES
     assert res.chunks[-1].kv_pages_transferred == LONG_PAGES
+    assert_idle_accounting(stack)
+
+
+def test_n_samples_fork_on_every_decode_rank(stack, prompts, reference):
+    # D forks an n=3 request: the partial last page is copied per sample on EVERY rank (each holds
+    # its kv heads); copied on rank 0 alone, samples 1.. read a stale page on D --tp 2 (wrong tokens)
+    import secrets
+
+    from protos import decode_pb2, prefill_pb2
+
+    room, params = secrets.randbits(62) or 1, sampling(MAX_TOKENS)
+    prompt = prompts[2]  # 20+ tokens: a partial last page of its own
+    assert len(prompt) % PAGE
+    d = stack.driver
+    stream = d.decode.Generate(decode_pb2.DecodeRequest(request_id=f"n3-{room}", room=room, input_ids=prompt,
+                                                        sampling=params, prefill_address=d.prefill_addr, n=3),
+                               timeout=120)
+    pfut = d.prefill.Prefill.future(prefill_pb2.PrefillRequest(request_id=f"n3-{room}", room=room,
+                                                               input_ids=prompt, sampling=params, n=3), timeout=120)
+    got: dict[int, list[int]] = {}
+    for chunk in stream:
+        got.setdefault(chunk.index, []).extend(chunk.token_ids)
+    pfut.result(timeout=120)
+    assert got == {i: reference[2] for i in range(3)}  # greedy: every sample is the reference
     assert_idle_accounting(stack)
 
 

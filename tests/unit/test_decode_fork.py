@@ -281,3 +281,50 @@ def test_a_sample_abort_before_the_fork_and_out_of_range_ones(model, reference):
     got, end = by_index(one)
     assert end is None and tokens(got[0]) == ref
     d.assert_idle()
+
+
+class _FollowerGroup:
+    """D's TPGroup with one follower (rank 1) whose pool the test keeps: commands applied in order."""
+
+    size = 2
+
+    def __init__(self, pool):
+        from pd_common.tp_rank import WriteAgent
+
+        self.commands: list[tuple[int, bytes]] = []
+        self.agent = WriteAgent.__new__(WriteAgent)  # only its D-side commands (no transfer engine)
+        self.agent.runner = type("R", (), {"kv_pool": pool})()
+        self.agent.me = type("Me", (), {"rank": 1})()
+        self.agent.group = self
+
+    def send_command(self, rank, payload):
+        self.commands.append((rank, payload))
+        self.agent.handle(payload)
+
+
+def test_under_tp_every_rank_copies_its_heads_of_the_partial_last_page(model, reference):
+    # each rank holds only its kv heads of a page: a fork that copies the last page on rank 0 alone
+    # leaves sample 1.. reading whatever a follower's page held before (wrong tokens on D --tp 2)
+    from engine.kvcache.kv_pool import KVPool
+
+    d = Decode(model)
+    pool = d.runner.kv_pool
+    follower = KVPool(pool.num_pages, pool.page_size, pool.num_layers, 1, pool.head_dim, pool.dtype)
+    for buf in follower.buffers():
+        buf.copy_(torch.arange(buf.numel(), dtype=buf.dtype).view_as(buf))  # every page distinct
+    group = d.sched.forks.group = _FollowerGroup(follower)
+    ref = reference(PROMPT, 6)
+    job = submit(d, 3, 6)
+    d.tick(2)
+    play_p(d, job, [ref[0]] * 3)
+    d.tick()
+    ss = samples(d, job)
+    assert [r for r, _ in group.commands] == [1, 1]   # one copy per sample 1.., to the follower
+    last = ss[0].lease.own_pages[0]
+    for s in ss[1:]:
+        for layer in range(pool.num_layers):
+            assert torch.equal(follower.k_pages(layer)[last], follower.k_pages(layer)[s.lease.own_pages[0]])
+            assert torch.equal(follower.v_pages(layer)[last], follower.v_pages(layer)[s.lease.own_pages[0]])
+    d.run_until_done(*ss)
+    by_index(job)
+    d.assert_idle()

@@ -124,3 +124,23 @@ def test_completed_once_every_rank_completed_and_a_dead_group_fails_what_waits_f
 def test_a_decode_of_other_kv_heads_is_refused():
     _, w = writer(Group())
     assert "kv head 3 of decode rank 0 is held by no prefill rank" in w.refusal(d_segment(heads=4))
+
+
+def test_a_followers_written_bytes_count_in_rank_0s_transfer_bytes():
+    # a follower's transfer engine counts in its own process (no /metrics): rank 0 counts its reply
+    from telemetry import metrics
+
+    group = Group()
+    eng, w = writer(group)
+    before = metrics.TRANSFER_BYTES._value.get()
+    bid, nbytes, writes = w.submit(d_segment(), [1, 2], [5, 6], None)
+    eng.states[1] = State.COMPLETED
+    follower = 2 * SHAPE.stride(1)  # rank 1 writes its one kv head of two pages
+    group.queues[1].put(WriteReply(group.commands[0][1].id, True, puts=2, nbytes=follower).encode())
+    assert w.status(bid).state is State.COMPLETED
+    w.status(bid)  # asked again: counted once
+    assert metrics.TRANSFER_BYTES._value.get() - before == follower
+    bid2, _, _ = w.submit(d_segment(), [3], [7], None)
+    group.queues[1].put(WriteReply(group.commands[1][1].id, False, "peer gone").encode())
+    w.status(bid2)
+    assert metrics.TRANSFER_BYTES._value.get() - before == follower  # a failed write moved nothing counted

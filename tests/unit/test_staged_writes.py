@@ -91,3 +91,17 @@ def test_bad_pages_and_a_too_small_area_are_refused_before_anything_moves(pair):
         RankWrites(pair[0], src, writes.me, SHAPE, SHAPE.stride(KV))
     assert writes.staging.peak == 0 and not dst.any()
     writes.close()
+
+
+def test_an_area_above_the_pool_is_capped_at_the_pool_and_writes_still_land(pair):
+    # --kv-staging-mb 1e9 used to be accepted, then every staged write failed allocating 1 PB
+    src, dst, writes, target = setup(pair, pages=8, staging_pages=2)
+    pool_bytes = src.numel() * src.element_size()
+    huge = RankWrites(pair[0], src, writes.me, SHAPE, int(1e9 * (1 << 20)))
+    assert huge.staging.nbytes == pool_bytes
+    jid = huge.start([target], list(range(8)), list(range(8)), time.monotonic() + 30)
+    assert huge.wait(jid).state is State.COMPLETED
+    huge.release(jid)
+    assert torch.equal(dst, src[:, :, :, :, 2:3])
+    writes.close()
+    huge.close()

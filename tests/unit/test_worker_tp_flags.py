@@ -32,6 +32,14 @@ def test_flags_tp_cannot_honour_stop_the_worker_before_it_loads(flags, message):
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_tp_the_models_heads_cannot_split_stops_the_worker_with_one_line(role):
+    # the default model's 3 kv heads on 4 ranks: was a traceback from the model load (up --prefill-tp 4)
+    with pytest.raises(SystemExit, match=r"^error: --tp 4: 4 ranks cannot share the model's 3 kv heads"):
+        Worker(parse("--tp", "4", "--model", "smollm2-135m", "--load-format", "dummy"), role)
+    Worker(parse("--tp", "3", "--model", "smollm2-135m", "--load-format", "dummy"), role)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_kv_checksums_run_with_tensor_parallelism(role):
     # checksums are per (page, kv head), so they no longer depend on how a worker splits its heads
     assert check_tp_flags(parse("--tp", "2", "--kv-checksums")) is None
