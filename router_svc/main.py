@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
                    help="with --policy kv_events: send a request to a decode worker alone, which prefills it "
                         "itself, when it holds all but at most N prompt tokens (conditional disaggregation, "
-                        "e.g. 256 for chat follow-ups; 0 = off)")
+                        "e.g. 256 for chat follow-ups and short new prompts; 0 = off)")
     p.add_argument("--local-prefill-queue", type=int, default=0, metavar="N",
                    help="with --policy kv_events: ... or when it holds part of the prompt and every prefill "
                         "worker has N or more requests queued or running (0 = off)")

@@ -1,7 +1,8 @@
 """Conditional disaggregation end to end on 1 prefill + 1 decode worker (real processes, registry
-discovery, router ``--policy kv_events --local-prefill-max-tokens 64``): a 20-token follow-up turn is
-served by D alone (no prefill leg: P's counters do not move) and equals the transformers reference;
-a prompt D holds nothing of, and one whose uncached tail is over the threshold, still go through P;
+discovery, router ``--policy kv_events --local-prefill-max-tokens 40``): a 20-token follow-up turn and
+a 30-token prompt D holds nothing of are served by D alone (no prefill leg: P's counters do not move)
+and equal the transformers reference; prompts whose uncached tail is over the threshold (a new
+conversation D holds nothing of, a long follow-up) still go through P;
 every sampling field (seed, logprobs, logit_bias, stop, penalties, response_format) gives the same
 output on the local path as on the PD path, through the real ``openai`` client; accounting is
 clean afterwards."""
@@ -22,7 +23,9 @@ from tests.integration.conftest import assert_idle_accounting
 from tests.integration.pd_driver import transformers_generate
 
 PS = 16
-MAX_TAIL = 64
+# below the chat prompts of test_every_field_is_honoured_on_the_local_path (45-47 tokens), whose first
+# request must go the PD way, and above a follow-up turn's tail (20 tokens + at most one page)
+MAX_TAIL = 40
 MAX_TOKENS = 8
 
 
@@ -112,6 +115,20 @@ def test_follow_up_turn_has_no_prefill_leg(stack, stub, tok):
     assert c3["p_prompt"] - c2["p_prompt"] == len(turn2 + long_user)
     assert last.usage.decode_prefix_tokens >= hit
     assert [out2, out3] == transformers_generate([follow, turn2 + long_user], MAX_TOKENS)
+
+
+def test_short_fresh_prompt_has_no_prefill_leg(stack, stub, tok):
+    # nothing of it is cached anywhere, but the whole prompt is under the threshold: D computes it
+    prompt = tok.encode(" ".join(f"Buoy {k} blinked red over the harbour." for k in range(5)))[:30]
+    assert len(prompt) == 30
+    c0 = counters(stack)
+    out, last = run(stub, prompt)
+    c1 = counters(stack)
+    assert last.prefill_worker == "" and last.decode_worker == "decode-0"
+    assert c1["p_prompt"] == c0["p_prompt"], "a prefill leg ran"
+    assert c1["r_local"] == c0["r_local"] + 1 and c1["d_local_tokens"] - c0["d_local_tokens"] == len(prompt)
+    assert last.usage.kv_pages_transferred == 0 and last.usage.cached_tokens == 0
+    assert [out] == transformers_generate([prompt], MAX_TOKENS)
 
 
 def chat(client, messages, **kw):

@@ -1,6 +1,7 @@
-"""Conditional disaggregation's decision (router_svc/local_prefill.py): D alone when it holds all but a
-short tail of the prompt, or part of it while every P is busy; a prompt no D holds goes the PD way;
-the router's flags refuse a threshold without ``--policy kv_events``."""
+"""Conditional disaggregation's decision (router_svc/local_prefill.py): D alone when its uncached tail
+of the prompt is short (a follow-up turn, or a short prompt no D holds anything of: Dynamo's
+``max_local_prefill_length``), or when it holds part of the prompt while every P is busy; the router's
+flags refuse a threshold without ``--policy kv_events``."""
 
 from __future__ import annotations
 
@@ -54,13 +55,32 @@ def test_full_hit_still_computes_the_last_page():
     assert choice is not None and choice.tail_tokens == PS
 
 
-def test_long_tail_or_nothing_held_goes_to_prefill():
+def test_long_tail_goes_to_prefill():
     ds = workers(DECODE, "d0", "d1")
     assert LocalPrefillPolicy(holding(d0=4), PS, max_tail_tokens=32).choose(workers(PREFILL, "p0"), ds, PROMPT) is None
-    # nothing held: PD, even when the whole prompt is under the threshold and every P is busy
-    policy = LocalPrefillPolicy(holding(), PS, max_tail_tokens=256, prefill_queue=1)
+    # nothing held and the whole prompt over the threshold: PD, even when every P is busy (a D
+    # holding nothing would compute a prompt of any length inside its decode loop)
+    policy = LocalPrefillPolicy(holding(), PS, max_tail_tokens=128, prefill_queue=1)
     assert policy.choose(workers(PREFILL, "p0", waiting=5), ds, PROMPT) is None
     assert all(d.dispatched_since_report == 0 for d in ds)
+
+
+def test_short_fresh_prompt_goes_to_the_least_loaded_decode_worker():
+    # no D holds anything of it, but the whole prompt (160 tokens) is under the threshold: D computes
+    # it (no P hop, no destination round trip, no KV transfer), as Dynamo's max_local_prefill_length
+    ds = workers(DECODE, "d0", waiting=2) + workers(DECODE, "d1")
+    before = M.ROUTER_LOCAL_PREFILLS.labels(reason="short_tail")._value.get()
+    choice = LocalPrefillPolicy(holding(), PS, max_tail_tokens=160).choose(workers(PREFILL, "p0"), ds, PROMPT)
+    assert choice is not None and choice.decode.worker_id == "d1" and choice.reason == "short_tail"
+    assert choice.tail_tokens == len(PROMPT)
+    assert [d.dispatched_since_report for d in ds] == [0, 1]
+    assert M.ROUTER_LOCAL_PREFILLS.labels(reason="short_tail")._value.get() == before + 1
+
+
+def test_a_decode_worker_holding_pages_beats_a_less_loaded_one_holding_none():
+    ds = workers(DECODE, "d0", waiting=3) + workers(DECODE, "d1")
+    choice = LocalPrefillPolicy(holding(d0=2), PS, max_tail_tokens=256).choose(workers(PREFILL, "p0"), ds, PROMPT)
+    assert choice is not None and choice.decode.worker_id == "d0" and choice.tail_tokens == 160 - 2 * PS
 
 
 def test_busy_prefill_workers_send_a_partial_hit_to_decode():
