@@ -4,9 +4,11 @@
 blocked layout inside every call (the largest single cost of a CPU decode step in the profile of
 issue 22). :class:`PackedLinear` reorders the weight once, at load, into oneDNN's blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU freezing uses) and calls
-``torch.ops.mkldnn._linear_pointwise`` on it; one packed copy serves every batch size. Rows ``M`` at
-or below ``gemv_rows`` (decode at batch 1) still go to ``F.linear`` on the original weight: a
-matrix-vector product has no panel to re-pack and MKL's gemv is as fast as the packed GEMM there.
+``torch.ops.mkldnn._linear_pointwise`` on it; one packed copy serves every batch size, decode at
+batch 1 included: MKL's gemv on the row-major weight (``F.linear`` with one row) made a SmolLM2 B=1
+decode step 37.7 ms on one thread and 37.5 ms on two (it did not use the second thread), the packed
+GEMM 31.5 and 30.1 ms, greedy tokens equal (bench/README.md, "Decode at batch 1"). ``gemv_rows``
+keeps the gemv path for rows ``M <= gemv_rows`` (default 0: none) for comparison.
 
 Numerics: the packed GEMM sums in another order than MKL (float32 results differ in the last bits,
 ~4e-6 relative); greedy tokens stay equal to transformers' on the golden prompts
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 class CpuLinear(enum.Enum):
     """``EngineConfig.cpu_linear``: ``torch`` (``F.linear`` everywhere) or ``packed`` (oneDNN packed
-    weights for M > 1 rows, ``F.linear`` for one row)."""
+    weights for every batch size)."""
 
     TORCH = "torch"
     PACKED = "packed"
@@ -56,7 +58,7 @@ class PackedLinear(nn.Module):
     ties are unchanged). Input [..., K] float32 CPU; output [..., N].
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 1):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 0):
         super().__init__()
         if not packed_linear_supported(weight):
             raise ValueError("cpu_linear: packed weights need a float32 CPU weight and oneDNN")
@@ -69,7 +71,7 @@ class PackedLinear(nn.Module):
                                  persistent=False)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, gemv_rows: int = 1) -> "PackedLinear":
+    def from_linear(cls, lin: nn.Linear, gemv_rows: int = 0) -> "PackedLinear":
         return cls(lin.weight, lin.bias, gemv_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
