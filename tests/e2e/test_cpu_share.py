@@ -28,7 +28,7 @@ stack = stack_fixture(prefill=1, decode=1, cpu_share=True, role_args={"prefill":
 
 STORY = ("Once upon a time, in a small village by the sea, there lived an old fisherman who every morning "
          "mended his nets and told stories to the children of the harbour.")
-STORY_TOKENS = 96  # ~4 s of decoding: outlasts a 1000-token prefill
+STORY_TOKENS = 240  # a few seconds of decoding on 2 threads (~15 ms a token): outlasts a 1000-token prefill
 
 
 def _long_prompt(tok, topic: str) -> list[int]:
