@@ -29,6 +29,7 @@ from engine.attention import BACKENDS
 from engine.device import check_device, device_spec
 from engine.engine_args import int_at_least, non_negative_float
 from pd_common.cpu_share import add_cpu_share_argument, open_cpu_share
+from pd_common.tp_flags import check_tp_flags
 from security import ClusterCredentials, CredentialsError
 from security.flags import add_cluster_auth_args
 from telemetry import metrics as M
@@ -200,26 +201,6 @@ def engine_config(args, rows: int, disable_radix_cache: bool = False):
                         disable_radix_cache=disable_radix_cache, torch_threads=args.torch_threads,
                         kv_layout=args.kv_layout, tp_size=args.tp, tp_timeout_s=args.tp_timeout,
                         attention_backend=args.attention_backend)
-
-
-def check_tp_flags(args) -> str | None:
-    """Why ``--tp`` cannot run with the other flags (a start-up error), or None."""
-    if args.tp > 1 and args.kv_layout != "page_major":
-        return "--tp > 1 needs --kv-layout page_major (per-rank KV writes address page_major shards)"
-    if args.tp > 1:  # heads that cannot split: one line here, not a traceback from the model load
-        from engine.distributed.shard import check_tp_size
-        from engine.errors import InvalidRequestError
-        from engine.models.model_loader import resolve_model_config
-
-        try:
-            cfg, _ = resolve_model_config(args.model, args.load_format)
-        except Exception:  # an unknown model: the load reports it
-            return None
-        try:
-            check_tp_size(cfg, args.tp)
-        except InvalidRequestError as e:
-            return f"--tp {args.tp}: {str(e).removeprefix('tp: ')}"
-    return None
 
 
 class Worker:

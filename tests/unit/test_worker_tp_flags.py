@@ -7,7 +7,8 @@ import argparse
 
 import pytest
 
-from pd_common.worker_runtime import Worker, add_common_arguments, check_tp_flags, engine_config
+from pd_common.tp_flags import check_tp_flags
+from pd_common.worker_runtime import Worker, add_common_arguments, engine_config
 
 
 def parse(*argv: str) -> argparse.Namespace:
