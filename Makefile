@@ -23,10 +23,11 @@ install: $(VENV)/.installed
 tools: install
 	./scripts/install-tools.sh
 
-# The CPU paged decode-attention kernel, compiled once per machine into $HALFMOON_HOME/kernels
-# (engine/attention/cpu_kernel.py); without it CPU workers fall back to torch_paged and log why.
+# The C++ CPU kernels (paged decode attention, small-M GEMM), compiled once per machine into $HALFMOON_HOME/kernels
+# (engine/cpu_kernels.py); without them CPU workers fall back to torch_paged attention and oneDNN
+# linears, and log why.
 kernels: install
-	$(BIN)/python -m engine.attention.cpu_kernel
+	$(BIN)/python -m engine.cpu_kernels
 
 model: install
 	$(BIN)/halfmoon models pull $(MODEL)

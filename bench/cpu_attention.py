@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
-    from engine.attention import cpu_kernel
+    from engine.cpu_kernels import PAGED_DECODE as cpu_kernel
 
     mod, why = cpu_kernel.load()
     if mod is None:

@@ -8,10 +8,12 @@ weights, all loaded at once):
 ==========  ===========================================================================
 baseline    ``fused_ops=False``, ``cpu_linear=torch``, ``attention_backend=torch`` (211 GEMMs/step)
 fused       + q/k/v and gate/up fused (121 GEMMs), still ``F.linear``
-packed      + oneDNN weights packed once (``cpu_linear=packed``)
+packed      + oneDNN weights packed once (``cpu_linear=onednn``)
 paged       + the ``torch_paged`` page-level decode gather
-cpu_paged   + the C++ paged decode kernel reading the pool in place (``cpu_paged``: the default
-            configuration once ``make kernels`` built it; ``bench/cpu_attention.py`` times it alone)
+cpu_paged   + the C++ paged decode kernel reading the pool in place (``cpu_paged``;
+            ``bench/cpu_attention.py`` times it alone)
+small_gemm  + the small-M GEMM kernel for the decode GEMMs (``cpu_linear=packed``: the default
+            configuration once ``make kernels`` built both kernels)
 ==========  ===========================================================================
 
 For each batch B and context C: B rows of C tokens already in the pool, then ``--steps`` decode
@@ -42,9 +44,10 @@ import torch
 VARIANTS = {
     "baseline": dict(fused_ops=False, cpu_linear="torch", attention_backend="torch"),
     "fused": dict(fused_ops=True, cpu_linear="torch", attention_backend="torch"),
-    "packed": dict(fused_ops=True, cpu_linear="packed", attention_backend="torch"),
-    "paged": dict(fused_ops=True, cpu_linear="packed", attention_backend="torch_paged"),
-    "cpu_paged": dict(fused_ops=True, cpu_linear="packed", attention_backend="cpu_paged"),
+    "packed": dict(fused_ops=True, cpu_linear="onednn", attention_backend="torch"),
+    "paged": dict(fused_ops=True, cpu_linear="onednn", attention_backend="torch_paged"),
+    "cpu_paged": dict(fused_ops=True, cpu_linear="onednn", attention_backend="cpu_paged"),
+    "small_gemm": dict(fused_ops=True, cpu_linear="packed", attention_backend="cpu_paged"),
 }
 
 

@@ -30,8 +30,9 @@ Files (one concept each):
   attention/flashinfer_backend.py, fused_ops.py, cuda_graph_runner.py   GPU path
   torch_fused_ops.py, models/cpu_linear.py, attention/torch_paged_backend.py   CPU path (fused
                          q/k/v + gate/up, oneDNN-packed weights, page-level decode gather)
-  attention/cpu_paged_backend.py, attention/cpu_kernel.py, attention/csrc/   CPU paged decode
-                         kernel reading the KV pool in place (built once per machine: make kernels)
+  cpu_kernels.py         the C++ CPU kernels, built once per machine (make kernels):
+                         attention/csrc/paged_decode.cpp (attention/cpu_paged_backend.py: decode
+                         reading the KV pool in place), models/csrc/small_gemm.cpp (decode GEMMs)
   model_store.py         local model cache (names -> HF directories)
 
 Seams the PD services use: ``ModelRunner`` (drive it directly with ``ForwardBatch.build`` and an

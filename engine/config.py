@@ -172,7 +172,7 @@ class EngineConfig:
     tp_timeout_s: bound on every tensor-parallel collective and on forming the group (seconds).
     fused_ops: one GEMM for q/k/v and one for gate/up (``engine/fused_ops.py`` on CUDA bf16/fp16 with
         flashinfer, ``engine/torch_fused_ops.py`` on every other device and dtype).
-    cpu_linear: ``"packed"`` or ``"torch"`` (``engine/models/cpu_linear.py``): how a float32 CPU
+    cpu_linear: ``"packed"``, ``"onednn"`` or ``"torch"`` (``engine/models/cpu_linear.py``): how a float32 CPU
         model with ``fused_ops`` on runs its GEMMs (other devices and dtypes have no packed path and
         always run ``F.linear``); any other value is a ValueError naming ``cpu_linear``.
     """
@@ -196,7 +196,7 @@ class EngineConfig:
     cuda_graph: bool = True  # capture decode batches in CUDA graphs (CUDA + flashinfer only)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default max_running_requests)
     fused_ops: bool = True  # fused qkv/gate_up GEMMs: flashinfer norm/rope/silu on CUDA bf16/fp16, torch ops elsewhere
-    cpu_linear: str = "packed"  # float32 CPU GEMMs: "packed" (oneDNN weights packed once) | "torch" (F.linear)
+    cpu_linear: str = "packed"  # float32 CPU GEMMs: "packed" (small-M kernel + oneDNN) | "onednn" | "torch" (F.linear)
     kv_layout: str = "page_major"  # KV pool memory layout: "page_major" | "layer_major" (engine/kvcache/kv_pool.py)
     tp_size: int = 1  # tensor-parallel ranks (engine/distributed/)
     tp_timeout_s: float = 30.0

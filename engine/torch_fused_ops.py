@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed.parallel_linear import PackedRowParallelLinear, RowParallelLinear
-from engine.models.cpu_linear import CpuLinear, fused_linear, pack_linear, packed_linear_supported
+from engine.models.cpu_linear import SMALL_ROWS, CpuLinear, fused_linear, pack_linear, packed_linear_supported
 from engine.models.rotary import apply_rotary
 
 
@@ -72,8 +72,8 @@ def _pack_out(lin, impl: CpuLinear):
     """o_proj / down_proj as ``impl`` runs them; under tensor parallelism they are row-parallel and
     keep their all-reduce (only the local GEMM is packed)."""
     if isinstance(lin, RowParallelLinear):
-        packed = impl is CpuLinear.PACKED and packed_linear_supported(lin.weight)
-        return PackedRowParallelLinear(lin) if packed else lin
+        packed = impl.packs and packed_linear_supported(lin.weight)
+        return PackedRowParallelLinear(lin, small_rows=SMALL_ROWS if impl is CpuLinear.PACKED else 0) if packed else lin
     return pack_linear(lin, impl)
 
 

@@ -10,7 +10,7 @@ row is padded to the longest. The result equals the reference SDPA within fp32 r
 summation order: tests/unit/test_attention_cpu_paged.py), not bit for bit.
 
 Extend and prefill stay on ``torch_paged``'s path. The kernel is built once per machine
-(``engine/attention/cpu_kernel.py``); this backend raises when it is missing, ``auto`` then picks
+(``engine/cpu_kernels.py``); this backend raises when it is missing, ``auto`` then picks
 ``torch_paged`` and says why (``engine/attention/__init__.py``).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import cpu_kernel
+from engine.cpu_kernels import PAGED_DECODE
 from engine.attention.torch_paged_backend import TorchPagedAttentionBackend
 from engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -31,7 +31,7 @@ def kernel_unavailable(device: torch.device, dtype: torch.dtype) -> str:
         return f"cpu_paged needs a CPU pool, not {torch.device(device).type}"
     if dtype not in KV_DTYPES:
         return f"cpu_paged supports float32 and bfloat16 pools, not {dtype}"
-    return cpu_kernel.load()[1]
+    return PAGED_DECODE.load()[1]
 
 
 class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
@@ -42,7 +42,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         why = kernel_unavailable(self.kv_pool.device, self.kv_pool.dtype)
         if why:
             raise ValueError(f"attention_backend: cpu_paged: {why}")
-        self._kernel = cpu_kernel.load()[0]
+        self._kernel = PAGED_DECODE.load()[0]
 
     def init_forward(self, batch: ForwardBatch) -> None:
         if batch.mode is not ForwardMode.DECODE:

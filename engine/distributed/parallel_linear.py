@@ -54,8 +54,8 @@ class PackedRowParallelLinear(PackedLinear):
     (float32 CPU, :class:`~engine.models.cpu_linear.PackedLinear`), then the same all-reduce.
     ``weight`` is the row-parallel module's own parameter (names unchanged)."""
 
-    def __init__(self, row: RowParallelLinear):
-        super().__init__(row.weight, None)
+    def __init__(self, row: RowParallelLinear, small_rows: int = 0):
+        super().__init__(row.weight, None, small_rows=small_rows)
         self.group = row.group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

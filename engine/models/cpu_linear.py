@@ -1,4 +1,5 @@
-"""How a float32 ``nn.Linear`` runs on the CPU: plain ``F.linear`` or oneDNN with weights packed once.
+"""How a float32 ``nn.Linear`` runs on the CPU: plain ``F.linear``, or weights packed once for our
+small-M kernel (decode) and for oneDNN (prefill).
 
 ``F.linear`` hands the row-major weight to MKL's ``sgemm``, which copies the weight panel into its
 blocked layout inside every call (the largest single cost of a CPU decode step in the profile of
@@ -9,6 +10,15 @@ batch 1 included: MKL's gemv on the row-major weight (``F.linear`` with one row)
 decode step 37.7 ms on one thread and 37.5 ms on two (it did not use the second thread), the packed
 GEMM 31.5 and 30.1 ms, greedy tokens equal (bench/README.md, "Decode at batch 1"). ``gemv_rows``
 keeps the gemv path for rows ``M <= gemv_rows`` (default 0: none) for comparison.
+
+Decode-sized inputs (``M <= small_rows``, default 64) go to our own kernel instead
+(``models/csrc/small_gemm.cpp``, built by ``make kernels``: weights packed as 16-row blocks, each
+streamed once whatever M is): on the 2-core AMD (AVX2) test box the torch wheel's oneDNN/MKL ran the
+SmolLM2 layers' GEMMs at M=1 at 7-8 GB/s and at M=8 at 3.5 GB/s of weights against ~11 GB/s copy
+bandwidth, since MKL takes its generic path on non-Intel CPUs; the kernel 1.4-2.2x faster for M in
+1..64 on 1 and 2 threads (bench/README.md, "Small-M GEMM"). Above ``small_rows`` oneDNN's blocked
+GEMM stays faster (prefill: 597 vs 725 ms for 193 rows through F.linear, 1 thread). That costs a
+second packed copy of every linear weight; ``cpu_linear=onednn`` keeps only oneDNN's.
 
 Numerics: the packed GEMM sums in another order than MKL (float32 results differ in the last bits,
 ~4e-6 relative); greedy tokens stay equal to transformers' on the golden prompts
@@ -21,18 +31,42 @@ names and tensors; tied embeddings stay tied), so packing costs one more copy of
 from __future__ import annotations
 
 import enum
+import logging
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
+from engine.cpu_kernels import SMALL_GEMM
+
+log = logging.getLogger("halfmoon.engine.models")
+
+SMALL_ROWS = 64  # the kernel's row limit (MAX_M in small_gemm.cpp), and where oneDNN starts to win
+_said_why = False
+
+
+def small_gemm_kernel():
+    """The built small-M kernel module, or None (the reason logged once per process)."""
+    global _said_why
+    mod, why = SMALL_GEMM.load()
+    if mod is None and not _said_why:
+        _said_why = True
+        log.info("cpu_linear: decode GEMMs on oneDNN, not the small-M kernel: %s", why)
+    return mod
+
 
 class CpuLinear(enum.Enum):
-    """``EngineConfig.cpu_linear``: ``torch`` (``F.linear`` everywhere) or ``packed`` (oneDNN packed
-    weights for every batch size)."""
+    """``EngineConfig.cpu_linear``: ``torch`` (``F.linear`` everywhere), ``packed`` (the small-M
+    kernel up to ``SMALL_ROWS`` rows when ``make kernels`` built it, oneDNN packed weights above) or
+    ``onednn`` (oneDNN packed weights for every batch size)."""
 
     TORCH = "torch"
     PACKED = "packed"
+    ONEDNN = "onednn"
+
+    @property
+    def packs(self) -> bool:
+        return self is not CpuLinear.TORCH
 
     @classmethod
     def parse(cls, value: "str | CpuLinear") -> "CpuLinear":
@@ -52,13 +86,16 @@ def packed_linear_supported(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ weight.T + bias`` with ``weight`` [N, K] packed once (oneDNN blocked layout).
+    """``y = x @ weight.T + bias`` with ``weight`` [N, K] packed once: oneDNN's blocked layout, and
+    the small-M kernel's 16-row blocks when ``small_rows`` > 0 and the kernel is built.
 
     ``weight`` / ``bias`` are the original parameters (same objects, so state-dict names and weight
-    ties are unchanged). Input [..., K] float32 CPU; output [..., N].
+    ties are unchanged). Input [..., K] float32 CPU; output [..., N]. ``small_rows``: inputs of at
+    most that many rows (<= ``SMALL_ROWS``) take the small-M kernel; 0 = oneDNN only.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 0):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 0,
+                 small_rows: int = SMALL_ROWS):
         super().__init__()
         if not packed_linear_supported(weight):
             raise ValueError("cpu_linear: packed weights need a float32 CPU weight and oneDNN")
@@ -66,25 +103,36 @@ class PackedLinear(nn.Module):
         self.bias = bias
         self.gemv_rows = gemv_rows
         self.out_features, self.in_features = weight.shape
+        if not 0 <= small_rows <= SMALL_ROWS:
+            raise ValueError(f"small_rows: must be in [0, {SMALL_ROWS}], got {small_rows}")
+        self._small = small_gemm_kernel() if small_rows else None
+        self.small_rows = small_rows if self._small is not None else 0
         with torch.no_grad():
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8),
                                  persistent=False)
+            small = torch.ops.halfmoon.small_gemm_pack(weight.detach()) if self._small is not None else None
+            self.register_buffer("small_packed", small, persistent=False)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, gemv_rows: int = 0) -> "PackedLinear":
-        return cls(lin.weight, lin.bias, gemv_rows)
+    def from_linear(cls, lin: nn.Linear, gemv_rows: int = 0, small_rows: int = SMALL_ROWS) -> "PackedLinear":
+        return cls(lin.weight, lin.bias, gemv_rows, small_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows <= self.gemv_rows:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
+        if rows <= self.small_rows:
+            y = torch.ops.halfmoon.small_gemm(x.reshape(rows, self.in_features), self.small_packed, self.out_features,
+                                              self.bias)
+            return y.view(*shape[:-1], self.out_features)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, self.in_features), self.packed, self.bias,
                                                "none", [], "")
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, gemv_rows={self.gemv_rows}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, gemv_rows={self.gemv_rows}, "
+                f"small_rows={self.small_rows}")
 
 
 def fused_linear(linears: list[nn.Linear]) -> nn.Linear:
@@ -113,6 +161,6 @@ def pack_linear(lin: nn.Module, impl: CpuLinear) -> nn.Module:
     """``lin`` as ``impl`` runs it: itself for TORCH, an unsupported weight or anything but a plain
     ``nn.Linear`` (a subclass's own ``forward``, e.g. a row-parallel all-reduce, must not be
     dropped), else a PackedLinear."""
-    if impl is CpuLinear.PACKED and type(lin) is nn.Linear and packed_linear_supported(lin.weight):
-        return PackedLinear.from_linear(lin)
+    if impl.packs and type(lin) is nn.Linear and packed_linear_supported(lin.weight):
+        return PackedLinear.from_linear(lin, small_rows=SMALL_ROWS if impl is CpuLinear.PACKED else 0)
     return lin

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from engine import attention
-from engine.attention import cpu_kernel, create_backend, resolve_backend_name
+from engine.attention import create_backend, resolve_backend_name
+from engine.cpu_kernels import PAGED_DECODE as cpu_kernel
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.req_to_token_pool import ReqToTokenPool
@@ -193,6 +194,6 @@ def test_load_never_builds_and_names_the_build_command(monkeypatch, tmp_path):
     assert not (tmp_path / "kernels").exists()
     key = cpu_kernel.build_key()
     src = tmp_path / "paged_decode.cpp"
-    src.write_bytes(cpu_kernel.SOURCE.read_bytes() + b"// edited\n")
-    monkeypatch.setattr(cpu_kernel, "SOURCE", src)
+    src.write_bytes(cpu_kernel.source.read_bytes() + b"// edited\n")
+    monkeypatch.setattr(cpu_kernel, "source", src)
     assert cpu_kernel.build_key() != key

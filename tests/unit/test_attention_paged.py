@@ -88,7 +88,7 @@ def test_paged_extend_over_a_prefix_bit_identical_to_reference():
 
 
 def test_auto_is_torch_paged_on_cpu_without_the_kernel(monkeypatch):
-    from engine.attention import cpu_kernel
+    from engine.cpu_kernels import PAGED_DECODE as cpu_kernel
 
     monkeypatch.setattr(cpu_kernel, "_loaded", (None, "HALFMOON_CPU_KERNEL=off"))
     assert resolve_backend_name("auto", torch.device("cpu"), torch.float32) == "torch_paged"

@@ -13,26 +13,70 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.model_runner import ModelRunner
-from engine.models.cpu_linear import CpuLinear, PackedLinear, fused_linear
+from engine.cpu_kernels import SMALL_GEMM
+from engine.models.cpu_linear import SMALL_ROWS, CpuLinear, PackedLinear, fused_linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 
+def _small_gemm_built() -> bool:
+    return SMALL_GEMM.load()[0] is not None
+
+
+@pytest.mark.parametrize("small_rows", [SMALL_ROWS, 0])  # the small-M kernel up to 64 rows, or oneDNN only
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
-def test_packed_linear_matches_f_linear(rows, bias):
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 13, 17, 64, 65])
+def test_packed_linear_matches_f_linear(rows, bias, small_rows):
+    """N = 167 is not a multiple of the kernel's 16-row blocks and K = 300 not of its 128-column
+    chunks; row counts cover every tile size (1..6) and the 64-row limit on both sides."""
     g = torch.Generator().manual_seed(rows)
-    lin = torch.nn.Linear(96, 160, bias=bias)
+    lin = torch.nn.Linear(300, 167, bias=bias)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(160, 96, generator=g))
+        lin.weight.copy_(torch.randn(167, 300, generator=g))
         if bias:
-            lin.bias.copy_(torch.randn(160, generator=g))
-    x = torch.randn(rows, 96, generator=g)
-    p = PackedLinear.from_linear(lin)
+            lin.bias.copy_(torch.randn(167, generator=g))
+    x = torch.randn(rows, 300, generator=g)
+    p = PackedLinear.from_linear(lin, small_rows=small_rows)
     assert p.weight is lin.weight and p.bias is lin.bias
-    torch.testing.assert_close(p(x), F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(p(x.view(1, rows, 96)), F.linear(x, lin.weight, lin.bias).view(1, rows, 160),
+    assert p.small_rows == (small_rows if _small_gemm_built() else 0)
+    want = F.linear(x, lin.weight, lin.bias)
+    torch.testing.assert_close(p(x), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(p(x.view(1, rows, 300)), want.view(1, rows, 167),
                                atol=1e-4, rtol=1e-5)  # leading dims kept
+    wide = torch.randn(rows, 600, generator=g)[:, ::2]  # rows not contiguous
+    torch.testing.assert_close(p(wide), F.linear(wide, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(not _small_gemm_built(), reason="small_gemm kernel not built (make kernels)")
+def test_small_gemm_op_rejects_bad_inputs_with_an_error():
+    w = torch.randn(40, 24)
+    packed = torch.ops.halfmoon.small_gemm_pack(w)
+    assert packed.shape == (3, 24, 16) and torch.equal(packed[2, :, 8:], torch.zeros(24, 8))  # rows past N are 0
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        torch.ops.halfmoon.small_gemm(torch.randn(65, 24), packed, 40, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.halfmoon.small_gemm(torch.randn(2, 25), packed, 40, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.halfmoon.small_gemm(torch.randn(2, 24, dtype=torch.float64), packed, 40, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.halfmoon.small_gemm(torch.randn(2, 24), packed, 40, torch.randn(39))
+
+
+def test_unbuilt_small_gemm_falls_back_to_onednn_and_says_why_once(monkeypatch, caplog):
+    import logging
+
+    from engine.models import cpu_linear
+
+    monkeypatch.setattr(SMALL_GEMM, "_loaded", (None, "not built (test)"))
+    monkeypatch.setattr(cpu_linear, "_said_why", False)
+    lin = torch.nn.Linear(32, 48)
+    x = torch.randn(3, 32)
+    with caplog.at_level(logging.INFO, logger="halfmoon.engine.models"):
+        ps = [PackedLinear.from_linear(lin) for _ in range(2)]
+    assert all(p.small_rows == 0 and p.small_packed is None for p in ps)
+    torch.testing.assert_close(ps[0](x), F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+    said = [r.getMessage() for r in caplog.records if "not built (test)" in r.getMessage()]
+    assert len(said) == 1 and "oneDNN" in said[0]
 
 
 def test_fused_linear_views_and_output():
@@ -60,10 +104,12 @@ def test_a_row_parallel_linear_keeps_its_all_reduce_when_packed():
     assert isinstance(packed, PackedRowParallelLinear) and packed.weight is row.weight
     assert _pack_out(row, CpuLinear.TORCH) is row
     assert isinstance(pack_linear(torch.nn.Linear(32, 16), CpuLinear.PACKED), PackedLinear)
+    assert _pack_out(row, CpuLinear.ONEDNN).small_rows == 0
+    assert pack_linear(torch.nn.Linear(32, 16), CpuLinear.ONEDNN).small_rows == 0
 
 
 def test_cpu_linear_parse_names_the_field():
-    assert CpuLinear.parse("packed") is CpuLinear.PACKED
+    assert CpuLinear.parse("packed") is CpuLinear.PACKED and CpuLinear.parse("onednn") is CpuLinear.ONEDNN
     with pytest.raises(ValueError, match="cpu_linear"):
         CpuLinear.parse("mkl")
 
@@ -74,7 +120,8 @@ def test_unknown_cpu_linear_rejected_before_loading():
 
 
 class _GemmCounter(TorchDispatchMode):
-    GEMMS = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "mkldnn._linear_pointwise.default"}
+    GEMMS = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "mkldnn._linear_pointwise.default",
+             "halfmoon.small_gemm.default"}
 
     def __init__(self):
         super().__init__()
@@ -108,7 +155,7 @@ def runners(model_dir):
 def test_default_cpu_decode_step_runs_121_gemms_and_matches_unfused(runners):
     plain, fused = runners
     assert type(fused.model.lm_head) is PackedLinear
-    prompts = [list(range(200, 230)), list(range(900, 917))]  # B=2: the packed oneDNN path
+    prompts = [list(range(200, 230)), list(range(900, 917))]  # B=2: the small-M kernel when built
     steps = [_decode_step(r, prompts) for r in runners]
     counts, logits = [], []
     for step in steps:

@@ -10,7 +10,8 @@ import tempfile
 import pytest
 import torch
 
-from engine.attention import cpu_kernel, create_backend, resolve_backend_name
+from engine.attention import create_backend, resolve_backend_name
+from engine.cpu_kernels import PAGED_DECODE
 from engine.attention.flashinfer_backend import page_table
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.req_to_token_pool import ReqToTokenPool
@@ -83,7 +84,7 @@ def test_graph_page_ids_match_page_table():
 def test_auto_backend_is_never_flashinfer_on_cpu_or_fp32():
     """flashinfer only for CUDA half types: CPU takes the CPU kernel when it is built (else
     torch_paged, tests/unit/test_attention_cpu_paged.py), a float32 CUDA pool torch_paged."""
-    cpu = "cpu_paged" if cpu_kernel.load()[0] is not None else "torch_paged"
+    cpu = "cpu_paged" if PAGED_DECODE.load()[0] is not None else "torch_paged"
     assert resolve_backend_name("auto", torch.device("cpu"), torch.bfloat16) == cpu
     assert resolve_backend_name("auto", torch.device("cuda"), torch.float32) == "torch_paged"
     pool = KVPool(4, 4, 1, 2, 8, torch.float32, "cpu")
