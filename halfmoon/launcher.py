@@ -43,6 +43,12 @@ from halfmoon.stack_config import StackConfig
 from halfmoon.stack_credentials import add_auth_arguments, auth_mode, describe
 from router_svc.policies import POLICY_NAMES
 
+# Prompts whose uncached part is at most this many tokens are prefilled on D (conditional
+# disaggregation, as Dynamo's max_local_prefill_length): on the 2-core CPU box with --cpu-share on,
+# the 193-token prompts of bench.cpu_peer went 0.79x -> 0.99x vLLM CPU's tok/s at c=1 and
+# 1.03x -> 1.24x at c=8 (docs/architecture.md, "Conditional disaggregation"); the GPU chart uses it too.
+LOCAL_PREFILL_MAX_TOKENS = 256
+
 __all__ = ["Stack", "StackConfig", "StackError", "add_arguments", "config_from_args", "print_endpoints",
            "role_args", "run"]
 
@@ -53,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--base-port", type=int, default=50050, help="first port of the plan (0 = all free ports)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of every process")
-    p.add_argument("--policy", default="per_role", choices=("per_role", "kv_events"),
-                   help="router: per_role (--prefill-policy / --decode-policy) or kv_events (the pair "
+    p.add_argument("--policy", default=None, choices=("per_role", "kv_events"),
+                   help="router: kv_events (the default; per_role when --prefill-policy or --decode-policy "
+                        "is given) or per_role (--prefill-policy / --decode-policy); kv_events: the pair "
                         "together, from the workers' KV events)")
     p.add_argument("--prefill-policy", default=None, choices=POLICY_NAMES,
                    help="how the router picks a prefill worker (per_role; default cache_aware)")
@@ -97,11 +104,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", default="memory", choices=["memory", "etcd"],
                    help="etcd: start a local etcd (Debian etcd-server) on loopback and keep the "
                         "registry's records there")
-    p.add_argument("--cpu-share", default="off", choices=["on", "off"],
-                   help="on: CPU workers share the cores (a busy worker computes on those the idle ones "
-                        "leave; short OpenMP spin, halfmoon.core_sharing); off: each keeps its "
-                        "--torch-threads, OpenMP's default spin (the default: on measured 0.87x tok/s at "
-                        "c=8 on a 2-core box, bench/results/cpu_share_cpu.json)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=LOCAL_PREFILL_MAX_TOKENS, metavar="N",
+                   help="with --policy kv_events: a prompt whose uncached part is at most N tokens is "
+                        "prefilled by the decode worker itself, no prefill leg or transfer (the router's flag; "
+                        f"default {LOCAL_PREFILL_MAX_TOKENS}, 0 = every prompt through a prefill worker)")
+    p.add_argument("--cpu-share", default="on", choices=["on", "off"],
+                   help="on (the default): co-located CPU workers share the cores (a busy worker computes on "
+                        "those the idle ones leave; short OpenMP spin, halfmoon.core_sharing); off: each keeps "
+                        "its --torch-threads, OpenMP's default spin")
     p.add_argument("--log-dir", default="", help="child logs (default: a new temp dir)")
     p.add_argument("--endpoints-file", default="", help="also write the endpoints JSON here")
     p.add_argument("--ready-timeout", type=float, default=300.0,
@@ -148,8 +158,17 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
     for role, argv in extra.items():
         if any(a == "--tp" or a.startswith("--tp=") for a in argv):
             raise SystemExit(f"up: --{role}-args: pass --{role}-tp instead of --tp (the thread budget counts ranks)")
+    if args.policy is None:
+        args.policy = "per_role" if (args.prefill_policy or args.decode_policy) else "kv_events"
     if args.policy == "kv_events" and (args.prefill_policy or args.decode_policy):
         raise SystemExit("up: --prefill-policy / --decode-policy are for --policy per_role")
+    if args.local_prefill_max_tokens < 0:
+        raise SystemExit(f"up: --local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
+    router = role_args("router", args.router_args)
+    if any(a.split("=")[0] == "--local-prefill-max-tokens" for a in router):
+        raise SystemExit("up: --router-args: pass up's own --local-prefill-max-tokens")
+    if args.policy == "kv_events" and args.local_prefill_max_tokens:
+        router += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
     return StackConfig(auth=auth_mode(args), tls_dir=args.tls_dir, model=args.model, prefill=args.prefill, decode=args.decode, base_port=args.base_port,
                        host=args.host, policy=args.policy, prefill_policy=args.prefill_policy or "cache_aware",
                        decode_policy=args.decode_policy or "cache_aware",
@@ -160,7 +179,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                        prefill_device=args.prefill_device, decode_device=args.decode_device, dtype=args.dtype,
                        load_format=args.load_format, registry=args.registry, max_context=args.max_context,
                        role_args=extra, cpu_share=args.cpu_share == "on",
-                       router_args=role_args("router", args.router_args))
+                       router_args=router)
 
 
 def print_endpoints(ep: dict, out=sys.stdout) -> None:

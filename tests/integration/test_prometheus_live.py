@@ -88,7 +88,8 @@ def stack(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "halfmoon", "up", "--prefill", "1", "--decode", "1", "--base-port", "0",
          "--kv-memory-mb", "64", "--endpoints-file", str(ep_file), "--log-dir", str(log_dir),
-         "--ready-timeout", "240", "--stop-timeout", "5"],
+         "--ready-timeout", "240", "--stop-timeout", "5",
+         "--local-prefill-max-tokens", "0"],  # every prompt through P: the transfer panels must have data
         cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:

@@ -49,8 +49,8 @@ def test_up_flag():
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
-    assert config_from_args(ap.parse_args([])).cpu_share is False
-    assert config_from_args(ap.parse_args(["--cpu-share", "on"])).cpu_share is True
+    assert config_from_args(ap.parse_args([])).cpu_share is True  # the default since the small-M GEMM kernel
+    assert config_from_args(ap.parse_args(["--cpu-share", "off"])).cpu_share is False
     with pytest.raises(SystemExit):
         ap.parse_args(["--cpu-share", "maybe"])
 

@@ -38,6 +38,23 @@ def test_per_role_devices_and_dtype():
         config_from_args(p.parse_args(["--decode-device", "cuda:1,gpu1"]))
 
 
+def test_up_defaults_to_kv_events_with_local_prefill_and_per_role_when_asked():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = config_from_args(p.parse_args([]))
+    assert cfg.policy == "kv_events" and cfg.router_args == ["--local-prefill-max-tokens", "256"]
+    cfg = config_from_args(p.parse_args(["--local-prefill-max-tokens", "0"]))
+    assert cfg.policy == "kv_events" and cfg.router_args == []
+    cfg = config_from_args(p.parse_args(["--decode-policy", "round_robin"]))  # a per-role flag picks per_role
+    assert (cfg.policy, cfg.decode_policy, cfg.router_args) == ("per_role", "round_robin", [])
+    with pytest.raises(SystemExit, match="pass up's own --local-prefill-max-tokens"):
+        config_from_args(p.parse_args(["--router-args=--local-prefill-max-tokens=64"]))
+    with pytest.raises(SystemExit, match="--local-prefill-max-tokens must be >= 0"):
+        config_from_args(p.parse_args(["--local-prefill-max-tokens", "-1"]))
+    with pytest.raises(SystemExit, match="are for --policy per_role"):
+        config_from_args(p.parse_args(["--policy", "kv_events", "--prefill-policy", "round_robin"]))
+
+
 def test_role_args_reach_only_their_role_and_parse():
     from decode_svc.main import add_arguments as decode_arguments
     from prefill_svc.main import add_arguments as prefill_arguments
