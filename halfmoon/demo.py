@@ -106,7 +106,9 @@ def print_summary(results: list[Result], out=sys.stdout) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_up_arguments(p)
-    p.set_defaults(base_port=0)
+    # every prompt through a prefill worker: the demo shows the disaggregated path (KV pages moved,
+    # the prefill cache and D's radix hit); `up` alone serves short prompts on D
+    p.set_defaults(base_port=0, local_prefill_max_tokens=0)
     p.add_argument("--max-tokens", type=int, default=40, help="tokens per answer")
 
 
