@@ -104,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", default="memory", choices=["memory", "etcd"],
                    help="etcd: start a local etcd (Debian etcd-server) on loopback and keep the "
                         "registry's records there")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=LOCAL_PREFILL_MAX_TOKENS, metavar="N",
+    p.add_argument("--local-prefill-max-tokens", type=int, default=None, metavar="N",
                    help="with --policy kv_events: a prompt whose uncached part is at most N tokens is "
                         "prefilled by the decode worker itself, no prefill leg or transfer (the router's flag; "
                         f"default {LOCAL_PREFILL_MAX_TOKENS}, 0 = every prompt through a prefill worker)")
@@ -162,6 +162,10 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         args.policy = "per_role" if (args.prefill_policy or args.decode_policy) else "kv_events"
     if args.policy == "kv_events" and (args.prefill_policy or args.decode_policy):
         raise SystemExit("up: --prefill-policy / --decode-policy are for --policy per_role")
+    if args.local_prefill_max_tokens is None:
+        args.local_prefill_max_tokens = LOCAL_PREFILL_MAX_TOKENS if args.policy == "kv_events" else 0
+    elif args.policy != "kv_events" and args.local_prefill_max_tokens:
+        raise SystemExit("up: --local-prefill-max-tokens needs --policy kv_events")
     if args.local_prefill_max_tokens < 0:
         raise SystemExit(f"up: --local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
     router = role_args("router", args.router_args)

@@ -51,6 +51,8 @@ def test_up_defaults_to_kv_events_with_local_prefill_and_per_role_when_asked():
         config_from_args(p.parse_args(["--router-args=--local-prefill-max-tokens=64"]))
     with pytest.raises(SystemExit, match="--local-prefill-max-tokens must be >= 0"):
         config_from_args(p.parse_args(["--local-prefill-max-tokens", "-1"]))
+    with pytest.raises(SystemExit, match="--local-prefill-max-tokens needs --policy kv_events"):
+        config_from_args(p.parse_args(["--policy", "per_role", "--local-prefill-max-tokens", "64"]))
     with pytest.raises(SystemExit, match="are for --policy per_role"):
         config_from_args(p.parse_args(["--policy", "kv_events", "--prefill-policy", "round_robin"]))
 
