@@ -20,7 +20,6 @@ JSON on stdout (or ``--json``), a table on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ import time
 import torch
 
 from bench.cpu_decode import copy_bandwidth
+from bench.results_file import print_result
 
 LAYERS, H, KVH, D, PS = 30, 9, 3, 64, 16
 NAMES = ("torch_paged", "cpu_paged")
@@ -124,11 +124,7 @@ def main(argv=None) -> int:
                load_avg_before=load_before, load_avg_after=os.getloadavg(), results=results,
                note="times: all layers' attention of one decode step (init_forward + forward incl. the KV store); "
                     "floor = K/V bytes / copy bandwidth on that many threads; speedup = torch_paged / cpu_paged")
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    print_result(out, args.json)
     print("| threads | B | ctx | KV MB | floor ms | torch_paged ms | cpu_paged ms | speedup | cpu_paged x floor | "
           "torch_paged x floor | load 1m |", file=sys.stderr)
     print("|---|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)

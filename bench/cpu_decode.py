@@ -33,13 +33,14 @@ step equals the baseline's. JSON on stdout (or ``--json``), a table on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 import torch
+
+from bench.results_file import print_result
 
 VARIANTS = {
     "baseline": dict(fused_ops=False, cpu_linear="torch", attention_backend="torch"),
@@ -185,11 +186,7 @@ def main(argv=None) -> int:
                weight_bytes=wbytes, load_avg_before=load_before, load_avg_after=os.getloadavg(),
                results=results,
                note="x_floor = step time / ((weight + KV bytes) / copy bandwidth); speedup vs the first variant")
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    print_result(out, args.json)
     print(f"{'B':>3} {'ctx':>5} {'variant':9} {'step ms':>8} {'cpu ms':>8} {'speedup':>8} {'cpu spd':>8} "
           f"{'x floor 1t':>10} {'x floor 2t':>10} tokens=", file=sys.stderr)
     for r in results:

@@ -14,7 +14,6 @@ floor. Needs the kernel built (``make kernels``). JSON on stdout (or ``--json``)
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.cpu_decode import copy_bandwidth
+from bench.results_file import print_result
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -80,11 +80,7 @@ def main(argv=None) -> int:
             rows_out.append(row)
     out = dict(bench="cpu_gemm", weight_bytes=nbytes, copy_bandwidth_gbs={str(k): round(v / 1e9, 2) for k, v in bw.items()},
                repeats=args.repeats, table=rows_out)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    print_result(out, args.json)
     print(f"{'thr':>3} {'M':>3} {'floor ms':>8} {'small_gemm':>10} {'oneDNN':>8} {'F.linear':>8} {'x floor':>7} "
           f"{'oneDNN/small':>12}", file=sys.stderr)
     for r in rows_out:

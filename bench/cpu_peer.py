@@ -35,6 +35,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.results_file import print_result
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {
     "random": ["--workload", "random", "--input-len", "193"],
@@ -188,10 +190,7 @@ def main(argv=None) -> int:
     finally:
         for p, sig in reversed(procs):
             _stop(p, sig)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    print_result(out, args.json)
     for row in table:
         print("  ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)
     print(f"load average before {out['load_avg_before']}, after {out['load_avg_after']}", file=sys.stderr)

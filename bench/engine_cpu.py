@@ -21,7 +21,6 @@ with that in mind). A table goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -29,6 +28,8 @@ import sys
 import time
 
 import torch
+
+from bench.results_file import print_result
 
 
 def _rand_ids(n: int, vocab: int, seed: int) -> list[int]:
@@ -168,11 +169,7 @@ def main(argv=None) -> int:
                load_avg_before=load_before, load_avg_after=os.getloadavg(),
                results=results, table=table,
                note="ratio = halfmoon / transformers tokens/s; the box is shared, see load_avg")
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    print_result(out, args.json)
     hdr = f"{'dtype':9} {'metric':8} {'batch':>5} {'halfmoon tok/s':>15} {'transformers tok/s':>19} {'ratio':>6}"
     print(hdr, file=sys.stderr)
     for t in table:

@@ -1,4 +1,5 @@
-"""Where a bench tool writes its JSON result: ``--output``, else ``bench/results/<name>_<time>.json``."""
+"""Where a bench tool writes its JSON result: ``--output``, else ``bench/results/<name>_<time>.json``;
+or (the CPU benches) on stdout and, with ``--json``, to that file too."""
 
 from __future__ import annotations
 
@@ -17,3 +18,12 @@ def write_result(result: dict, name: str, output: str = "") -> Path:
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return out
+
+
+def print_result(result: dict, path: str | None = None) -> None:
+    """Print ``result`` as JSON (indent 2) on stdout and, when ``path`` is given, write the same text
+    there. Raises OSError when the file cannot be written."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path:
+        Path(path).write_text(text + "\n")
