@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed.parallel_linear import PackedRowParallelLinear, RowParallelLinear
-from engine.models.cpu_linear import SMALL_ROWS, CpuLinear, fused_linear, pack_linear, packed_linear_supported
+from engine.models.cpu_linear import CpuLinear, fused_linear, pack_linear, packed_linear_supported
 from engine.models.rotary import apply_rotary
 
 
@@ -73,7 +73,7 @@ def _pack_out(lin, impl: CpuLinear):
     keep their all-reduce (only the local GEMM is packed)."""
     if isinstance(lin, RowParallelLinear):
         packed = impl.packs and packed_linear_supported(lin.weight)
-        return PackedRowParallelLinear(lin, small_rows=SMALL_ROWS if impl is CpuLinear.PACKED else 0) if packed else lin
+        return PackedRowParallelLinear(lin, small_rows=impl.small_rows) if packed else lin
     return pack_linear(lin, impl)
 
 

@@ -44,9 +44,9 @@ from halfmoon.stack_credentials import add_auth_arguments, auth_mode, describe
 from router_svc.policies import POLICY_NAMES
 
 # Prompts whose uncached part is at most this many tokens are prefilled on D (conditional
-# disaggregation, as Dynamo's max_local_prefill_length): on the 2-core CPU box with --cpu-share on,
-# the 193-token prompts of bench.cpu_peer went 0.79x -> 0.99x vLLM CPU's tok/s at c=1 and
-# 1.03x -> 1.24x at c=8 (docs/architecture.md, "Conditional disaggregation"); the GPU chart uses it too.
+# disaggregation, as Dynamo's max_local_prefill_length): on the 2-core AMD box with --cpu-share on,
+# the 193-token prompts of bench.cpu_peer went 0.83x -> 1.00x vLLM CPU's tok/s at c=1 and
+# 1.03x -> 1.20x at c=8 (docs/architecture.md, "Conditional disaggregation"); the GPU chart uses it too.
 LOCAL_PREFILL_MAX_TOKENS = 256
 
 __all__ = ["Stack", "StackConfig", "StackError", "add_arguments", "config_from_args", "print_endpoints",

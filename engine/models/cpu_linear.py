@@ -14,9 +14,9 @@ keeps the gemv path for rows ``M <= gemv_rows`` (default 0: none) for comparison
 Decode-sized inputs (``M <= small_rows``, default 64) go to our own kernel instead
 (``models/csrc/small_gemm.cpp``, built by ``make kernels``: weights packed as 16-row blocks, each
 streamed once whatever M is): on the 2-core AMD (AVX2) test box the torch wheel's oneDNN/MKL ran the
-SmolLM2 layers' GEMMs at M=1 at 7-8 GB/s and at M=8 at 3.5 GB/s of weights against ~11 GB/s copy
-bandwidth, since MKL takes its generic path on non-Intel CPUs; the kernel 1.4-2.2x faster for M in
-1..64 on 1 and 2 threads (bench/README.md, "Small-M GEMM"). Above ``small_rows`` oneDNN's blocked
+SmolLM2 layers' GEMMs at M=1 at 7-8 GB/s and at M=8 at 3.5 GB/s of weights against 12-13 GB/s copy
+bandwidth, since MKL takes its generic path on non-Intel CPUs; the kernel was 1.2-1.8x faster than
+oneDNN for M in 1..64 on 1 and 2 threads (bench/README.md, "Small-M GEMM kernel"). Above ``small_rows`` oneDNN's blocked
 GEMM stays faster (prefill: 597 vs 725 ms for 193 rows through F.linear, 1 thread). That costs a
 second packed copy of every linear weight; ``cpu_linear=onednn`` keeps only oneDNN's.
 
@@ -68,6 +68,11 @@ class CpuLinear(enum.Enum):
     def packs(self) -> bool:
         return self is not CpuLinear.TORCH
 
+    @property
+    def small_rows(self) -> int:
+        """``PackedLinear``'s ``small_rows`` under this choice (0: oneDNN only)."""
+        return SMALL_ROWS if self is CpuLinear.PACKED else 0
+
     @classmethod
     def parse(cls, value: "str | CpuLinear") -> "CpuLinear":
         """Raises ValueError naming ``cpu_linear`` for anything but the enum's values."""
@@ -105,12 +110,11 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         if not 0 <= small_rows <= SMALL_ROWS:
             raise ValueError(f"small_rows: must be in [0, {SMALL_ROWS}], got {small_rows}")
-        self._small = small_gemm_kernel() if small_rows else None
-        self.small_rows = small_rows if self._small is not None else 0
+        self.small_rows = small_rows if small_rows and small_gemm_kernel() is not None else 0
         with torch.no_grad():
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8),
                                  persistent=False)
-            small = torch.ops.halfmoon.small_gemm_pack(weight.detach()) if self._small is not None else None
+            small = torch.ops.halfmoon.small_gemm_pack(weight.detach()) if self.small_rows else None
             self.register_buffer("small_packed", small, persistent=False)
 
     @classmethod
@@ -162,5 +166,5 @@ def pack_linear(lin: nn.Module, impl: CpuLinear) -> nn.Module:
     ``nn.Linear`` (a subclass's own ``forward``, e.g. a row-parallel all-reduce, must not be
     dropped), else a PackedLinear."""
     if impl.packs and type(lin) is nn.Linear and packed_linear_supported(lin.weight):
-        return PackedLinear.from_linear(lin, small_rows=SMALL_ROWS if impl is CpuLinear.PACKED else 0)
+        return PackedLinear.from_linear(lin, small_rows=impl.small_rows)
     return lin
