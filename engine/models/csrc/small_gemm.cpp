@@ -23,12 +23,12 @@
 namespace {
 
 constexpr int64_t NB = 16;  // output rows per block (two AVX2 vectors, one AVX-512 vector)
-constexpr int MT = 6;
+constexpr int MT = 6;        // x rows per pass: 12 accumulators + 2 weight vectors + 1 broadcast
 constexpr int64_t KC = 128;  // K columns per chunk: 8 KB of a block, in L1 for every row tile
 constexpr int64_t MAX_M = 64;  // rows per call (the accumulators live on the stack)
 // prefetch distance in K steps (64 bytes each): one chunk ahead, so the next chunk streams in
 // while this one is computed (on the AMD test box: 32 -> 128 took M=8 from 6.7 to 9.7 GB/s)
-constexpr int64_t PF = 128;       // x rows per pass: 12 accumulators + 2 weight vectors + 1 broadcast
+constexpr int64_t PF = 128;
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8fu __attribute__((vector_size(32), aligned(4)));  // unaligned loads / stores
