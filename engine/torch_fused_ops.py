@@ -18,12 +18,17 @@ Norms, RoPE, SiLU·mul and the residual adds are the torch path's own ops in the
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from engine.distributed.parallel_linear import PackedRowParallelLinear, RowParallelLinear
-from engine.models.cpu_linear import CpuLinear, fused_linear, pack_linear, packed_linear_supported
+from engine.models.cpu_linear import (CpuLinear, fused_linear, pack_linear, packed_linear_supported,
+                                      release_packed_sources, trim_heap)
 from engine.models.rotary import apply_rotary
+
+log = logging.getLogger("halfmoon.engine.models")
 
 
 class TorchFusedOps:
@@ -87,7 +92,7 @@ def enable_torch_fused_ops(model, cpu_linear: str | CpuLinear = CpuLinear.PACKED
     impl = CpuLinear.parse(cpu_linear)
     if model._fused is not None:
         raise ValueError("fused ops are already enabled on this model")
-    qkv, gate_up = [], []
+    qkv, gate_up, freed = [], [], 0
     for i, layer in enumerate(model.model.layers):
         a, m = layer.self_attn, layer.mlp
         qkv.append(pack_linear(fused_linear([a.q_proj, a.k_proj, a.v_proj]), impl))
@@ -95,9 +100,16 @@ def enable_torch_fused_ops(model, cpu_linear: str | CpuLinear = CpuLinear.PACKED
         a.o_proj = _pack_out(a.o_proj, impl)
         m.down_proj = _pack_out(m.down_proj, impl)
         m.layer = i  # TorchFusedOps.mlp finds the layer's gate_up by it
+        if impl.packs:  # layer by layer: loading peaks at one layer's extra copies
+            freed += release_packed_sources(model, [qkv[-1], gate_up[-1], a.o_proj, m.down_proj],
+                                            [a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj])
     ops = TorchFusedOps(qkv, gate_up, impl)
     for layer in model.model.layers:
         layer.self_attn._fused = layer.mlp._fused = ops
     model.lm_head = pack_linear(model.lm_head, impl)
     model._fused = ops
+    if impl.packs:
+        freed += release_packed_sources(model, [model.lm_head], [])
+        trim_heap()
+        log.info("packed linear weights (%s): released %.0f MB of row-major copies", impl.value, freed / 2**20)
     return ops

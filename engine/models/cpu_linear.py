@@ -24,12 +24,17 @@ Numerics: the packed GEMM sums in another order than MKL (float32 results differ
 ~4e-6 relative); greedy tokens stay equal to transformers' on the golden prompts
 (tests/unit/test_engine_golden.py runs with packing on).
 
-Memory: the packed copy is held next to the original weight (the model's parameters keep their
-names and tensors; tied embeddings stay tied), so packing costs one more copy of the linear weights.
+Memory: a ``PackedLinear`` holds the packed copies next to the original weight. Once a whole model
+is packed (``engine.torch_fused_ops``), :func:`release_packed_sources` frees the row-major originals
+that nothing reads any more, so a packed model holds two copies of its linear weights (oneDNN's and
+the kernel's), not three. It runs layer by layer, so loading peaks at one layer's copies over the
+final footprint (the test box's 24 GB ran out under the parallel suite while every worker held
+three copies). Tied weights (SmolLM2's ``lm_head`` and embedding) stay: the embedding reads them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
 
@@ -137,6 +142,39 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, gemv_rows={self.gemv_rows}, "
                 f"small_rows={self.small_rows}")
+
+
+def release_packed_sources(model: nn.Module, packed: list[nn.Module], superseded: list[nn.Module]) -> int:
+    """Free the row-major weights of ``packed`` (:class:`PackedLinear` modules with ``gemv_rows`` 0:
+    they never read ``weight`` again) and of ``superseded`` (modules a fused projection replaced:
+    their weights are views of the fused one and they are not called). A storage that a parameter of
+    any other module of ``model`` shares (an embedding tied to ``lm_head``) is kept, and so is
+    whatever oneDNN's packed tensor still aliases (its reorder can be a no-op). Released parameters
+    keep their names with shape [0]; the model can no longer run unpacked. Returns the bytes whose
+    last parameter reference went (an upper bound on what the process gets back)."""
+    packed = [m for m in packed if isinstance(m, PackedLinear) and m.gemv_rows == 0]
+    owners = {id(m) for m in packed} | {id(m) for m in superseded}
+    kept = {p.untyped_storage().data_ptr() for m in model.modules() if id(m) not in owners
+            for p in m.parameters(recurse=False)}
+    freed: dict[int, int] = {}
+    with torch.no_grad():
+        for m in packed + list(superseded):
+            w = m.weight
+            if w.numel() == 0 or w.untyped_storage().data_ptr() in kept:
+                continue
+            freed[w.untyped_storage().data_ptr()] = w.untyped_storage().nbytes()
+            w.data = w.new_empty(0)
+    return sum(freed.values())
+
+
+def trim_heap() -> None:
+    """Hand free heap pages back to the OS (glibc ``malloc_trim``): part of the released weights sits
+    in glibc's heap, whose mmap threshold grows while a model loads, and would stay resident (67 MB
+    of a SmolLM2 worker). No-op where libc has no ``malloc_trim``."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def fused_linear(linears: list[nn.Linear]) -> nn.Linear:
