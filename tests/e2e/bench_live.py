@@ -1,6 +1,9 @@
 """One live 1P1D stack (``halfmoon up`` machinery: :class:`halfmoon.launcher.Stack`) shared by the
-bench and eval live tests of one pytest process, started on first use and stopped (by PID: SIGTERM,
-then SIGKILL) when the process exits. Ports are picked free; logs go to a temp dir.
+bench and eval live tests of one module, started on first use and stopped (by PID: SIGTERM, then
+SIGKILL) by :func:`stop` at the end of the module (its module-scoped fixture), or when the process
+exits. Not kept for the whole pytest process: each xdist worker then held a ~4 GB stack for the
+rest of the suite next to the stacks of later modules, and the 24 GB CI box ran out of memory.
+Ports are picked free; logs go to a temp dir.
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ def endpoints_file() -> Path:
         f.write_text(json.dumps(ep))
         _state.update(stack=stack, file=f, endpoints=ep)
     return _state["file"]
+
+
+def stop() -> None:
+    """Stop the shared stack if one runs (the next :func:`endpoints_file` starts a new one)."""
+    stack = _state.get("stack")
+    _state.clear()
+    if stack is not None:
+        stack.stop()
 
 
 def workers() -> list[tuple[str, str]]:

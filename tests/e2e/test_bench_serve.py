@@ -19,7 +19,8 @@ PREFIX, SUFFIX = 3 * PAGE, PAGE
 
 @pytest.fixture(scope="module")
 def endpoints():
-    return str(bench_live.endpoints_file())
+    yield str(bench_live.endpoints_file())
+    bench_live.stop()
 
 
 def _serve(endpoints, tmp_path, *extra):

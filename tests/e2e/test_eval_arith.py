@@ -14,7 +14,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def endpoints():
-    return str(bench_live.endpoints_file())
+    yield str(bench_live.endpoints_file())
+    bench_live.stop()
 
 
 def test_arith_two_passes_same_tokens_fewer_pages(endpoints, tmp_path):
