@@ -71,12 +71,13 @@ def copy_bandwidth(threads: int, mib: int = 256, reps: int = 7) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of every GEMM weight one step reads (decoder linears and lm_head; not the embedding)."""
-    n = sum(m.weight.numel() * m.weight.element_size() for name, m in model.named_modules()
-            if name.startswith("model.layers.") and hasattr(m, "weight") and m.weight is not None
-            and m.weight.dim() == 2)
-    # q/k/v and gate/up weights are views of fused tensors once fused: count each parameter once
-    return n + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    """Bytes of every GEMM weight one step reads (decoder linears and lm_head; not the embedding),
+    from each linear's shape: a packed model has released its row-major weights (shape [0]), and the
+    fused q/k/v and gate/up modules are not in the module tree, their unfused originals are."""
+    size = model.model.embed_tokens.weight.element_size()
+    n = sum(m.in_features * m.out_features for name, m in model.named_modules()
+            if name.startswith("model.layers.") and hasattr(m, "in_features"))
+    return (n + model.lm_head.in_features * model.lm_head.out_features) * size
 
 
 class Setup:

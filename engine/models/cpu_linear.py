@@ -12,7 +12,7 @@ GEMM 31.5 and 30.1 ms, greedy tokens equal (bench/README.md, "Decode at batch 1"
 keeps the gemv path for rows ``M <= gemv_rows`` (default 0: none) for comparison.
 
 Decode-sized inputs (``M <= small_rows``, default 64) go to our own kernel instead
-(``models/csrc/small_gemm.cpp``, built by ``make kernels``: weights packed as 16-row blocks, each
+(``models/csrc/small_gemm.cpp``, built by ``make kernels``: weights packed as blocks of 16 (AVX2) or 32 (AVX-512) output rows, each
 streamed once whatever M is): on the 2-core AMD (AVX2) test box the torch wheel's oneDNN/MKL ran the
 SmolLM2 layers' GEMMs at M=1 at 7-8 GB/s and at M=8 at 3.5 GB/s of weights against 12-13 GB/s copy
 bandwidth, since MKL takes its generic path on non-Intel CPUs; the kernel was 1.2-1.8x faster than
@@ -97,7 +97,7 @@ def packed_linear_supported(weight: torch.Tensor) -> bool:
 
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` [N, K] packed once: oneDNN's blocked layout, and
-    the small-M kernel's 16-row blocks when ``small_rows`` > 0 and the kernel is built.
+    the small-M kernel's blocks when ``small_rows`` > 0 and the kernel is built.
 
     ``weight`` / ``bias`` are the original parameters (same objects, so state-dict names and weight
     ties are unchanged). Input [..., K] float32 CPU; output [..., N]. ``small_rows``: inputs of at

@@ -49,9 +49,16 @@ def test_packed_linear_matches_f_linear(rows, bias, small_rows):
 
 @pytest.mark.skipif(not _small_gemm_built(), reason="small_gemm kernel not built (make kernels)")
 def test_small_gemm_op_rejects_bad_inputs_with_an_error():
+    from engine.cpu_kernels import SMALL_GEMM
+
+    nb = SMALL_GEMM.load()[0].BLOCK  # two native vectors: 16 floats (AVX2) or 32 (AVX-512)
+    assert nb in (16, 32)
     w = torch.randn(40, 24)
     packed = torch.ops.halfmoon.small_gemm_pack(w)
-    assert packed.shape == (3, 24, 16) and torch.equal(packed[2, :, 8:], torch.zeros(24, 8))  # rows past N are 0
+    blocks = -(-40 // nb)
+    assert packed.shape == (blocks, 24, nb)
+    assert torch.equal(packed.permute(0, 2, 1).reshape(-1, 24)[:40], w)  # block j, lane i = row nb*j + i
+    assert torch.equal(packed[-1, :, 40 - (blocks - 1) * nb:], torch.zeros(24, blocks * nb - 40))  # rows past N are 0
     with pytest.raises(RuntimeError, match="at most 64 rows"):
         torch.ops.halfmoon.small_gemm(torch.randn(65, 24), packed, 40, None)
     with pytest.raises(RuntimeError, match="does not match"):

@@ -8,11 +8,14 @@
 // byte once per call whatever M is, at close to the copy bandwidth, on any x86 or ARM CPU the
 // compiler targets (-march=native; GCC vector extensions, no intrinsics).
 //
-// Layout: W is packed as [ceil(N / 16), K, 16] (block j, column k holds W[16 j .. 16 j + 15, k];
-// rows past N are zero), so one block is one contiguous 64 K-byte stream and a work item is a
-// block: its 16 outputs for every row of x, kept in registers (up to 6 rows x 16 lanes per pass;
-// more rows re-read the block from L1/L2, not from memory). Threads split the blocks
-// (at::parallel_for: torch's OpenMP pool, so torch.set_num_threads applies).
+// Layout: W is packed as [ceil(N / NB), K, NB] (block j, column k holds W[NB j .. NB j + NB - 1, k];
+// rows past N are zero), NB = two native vectors (16 floats with AVX2, 32 with AVX-512), so one
+// block is one contiguous stream and a work item is a block: its NB outputs for every row of x, kept
+// in registers (up to 6 rows x 2 vectors = 12 accumulators per pass: two FMA pipes of 4-cycle
+// latency need 8 independent ones; more rows re-read the block from L1/L2, not from memory).
+// Threads split the blocks (at::parallel_for: torch's OpenMP pool, so torch.set_num_threads
+// applies). With AVX-512 the vectors are 512-bit: on the Zen 5 test box 256-bit ones left the
+// kernel at half of oneDNN's speed from 16 rows up.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -22,43 +25,47 @@
 
 namespace {
 
-constexpr int64_t NB = 16;  // output rows per block (two AVX2 vectors, one AVX-512 vector)
+#if defined(__AVX512F__)
+constexpr int VW = 16;  // floats per native vector
+#else
+constexpr int VW = 8;
+#endif
+constexpr int64_t NB = 2 * VW;  // output rows per block: two vectors
 constexpr int MT = 6;        // x rows per pass: 12 accumulators + 2 weight vectors + 1 broadcast
-constexpr int64_t KC = 128;  // K columns per chunk: 8 KB of a block, in L1 for every row tile
+constexpr int64_t KC = 128;  // K columns per chunk: 8 (AVX2) or 16 KB (AVX-512) of a block, in L1 for every row tile
 constexpr int64_t MAX_M = 64;  // rows per call (the accumulators live on the stack)
-// prefetch distance in K steps (64 bytes each): one chunk ahead, so the next chunk streams in
-// while this one is computed (on the AMD test box: 32 -> 128 took M=8 from 6.7 to 9.7 GB/s)
+// prefetch distance in K steps (NB * 4 bytes each): one chunk ahead, so the next chunk streams in
+// while this one is computed (on the AMD AVX2 test box: 32 -> 128 took M=8 from 6.7 to 9.7 GB/s)
 constexpr int64_t PF = 128;
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v8fu __attribute__((vector_size(32), aligned(4)));  // unaligned loads / stores
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));  // unaligned loads / stores
 
-inline v8f load8(const float* p) { return *reinterpret_cast<const v8fu*>(p); }
-inline void store8(float* p, v8f v) { *reinterpret_cast<v8fu*>(p) = v; }
+inline vf loadv(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline void storev(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
 
-// rows [0, R) of x (R <= MT), columns [0, kc) of a packed block chunk: acc[r, 0:16] += x[r] . wb
+// rows [0, R) of x (R <= MT), columns [0, kc) of a packed block chunk: acc[r, 0:NB] += x[r] . wb
 template <int R>
 inline void tile(const float* x, int64_t ldx, const float* wb, int64_t kc, float* acc) {
-  v8f a0[R], a1[R];
+  vf a0[R], a1[R];
   for (int r = 0; r < R; ++r) {
-    a0[r] = load8(acc + r * NB);
-    a1[r] = load8(acc + r * NB + 8);
+    a0[r] = loadv(acc + r * NB);
+    a1[r] = loadv(acc + r * NB + VW);
   }
   for (int64_t k = 0; k < kc; ++k) {
     // the stream needs more loads in flight than the hardware prefetcher keeps once the FMAs per
     // line grow with R; past the chunk's end this touches what comes next in memory anyway
-    __builtin_prefetch(wb + (k + PF) * NB, 0, 0);
-    const v8f w0 = load8(wb + k * NB), w1 = load8(wb + k * NB + 8);
+    for (int64_t line = 0; line < NB; line += 16) __builtin_prefetch(wb + (k + PF) * NB + line, 0, 0);
+    const vf w0 = loadv(wb + k * NB), w1 = loadv(wb + k * NB + VW);
     for (int r = 0; r < R; ++r) {
-      const float xv = x[r * ldx + k];
-      const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+      const vf xb = vf{} + x[r * ldx + k];  // broadcast
       a0[r] += xb * w0;
       a1[r] += xb * w1;
     }
   }
   for (int r = 0; r < R; ++r) {
-    store8(acc + r * NB, a0[r]);
-    store8(acc + r * NB + 8, a1[r]);
+    storev(acc + r * NB, a0[r]);
+    storev(acc + r * NB + VW, a1[r]);
   }
 }
 
@@ -75,7 +82,7 @@ void tile_rows(int64_t R, const float* x, int64_t ldx, const float* wb, int64_t 
 }
 
 // every row of x against one packed block -> y[:, 0:nvalid] (+ bias). K is walked in chunks of
-// KC columns (8 KB of the block) and every row tile runs on a chunk while it is in L1, so the
+// KC columns and every row tile runs on a chunk while it is in L1, so the
 // block comes from memory once however many tiles M needs.
 void block(const float* x, int64_t M, int64_t ldx, const float* wb, int64_t K, float* y, int64_t ldy,
            int64_t nvalid, const float* bias) {
@@ -92,7 +99,7 @@ void block(const float* x, int64_t M, int64_t ldx, const float* wb, int64_t K, f
 
 }  // namespace
 
-// W [N, K] float32 -> packed [ceil(N / 16), K, 16] float32 (zero rows past N).
+// W [N, K] float32 -> packed [ceil(N / NB), K, NB] float32 (zero rows past N).
 torch::Tensor small_gemm_pack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.device().is_cpu(),
               "small_gemm_pack: w must be a 2-D float32 CPU tensor");
@@ -154,4 +161,4 @@ TORCH_LIBRARY_IMPL(halfmoon, CPU, m) {
   m.impl("small_gemm", &small_gemm);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.attr("BLOCK") = NB; }  // the packed layout's last dim
