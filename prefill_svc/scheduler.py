@@ -139,7 +139,7 @@ class PrefillScheduler(SchedulerLoop):
 
     # ------------------------------------------------------------------ loop (scheduler thread)
     def idle_wait(self) -> float:
-        if self.admission.waiting or self.prefill.prefilling:
+        if self.prefill.prefilling or self.admission.ready():
             return 0.0
         return 0.001 if self.sender.busy() else 0.05
 

@@ -228,6 +228,36 @@ def test_admission_is_fifo_and_refuses_only_what_can_never_be_freed(pair):
     pd.assert_idle_accounting()
 
 
+def test_a_burst_sharing_a_prompt_computes_it_once(pair):
+    """A job whose prompt is mostly pages another admitted job is computing waits for that job's
+    release and takes them from the cache (a burst with one system prompt computed it once per
+    request); jobs sharing nothing, or too little to be worth a wait, are admitted past it."""
+    pd = pair()
+    system = prompt(20, 32)                                   # 8 pages
+    a_ids, b_ids = system + prompt(21, 3), system + prompt(22, 3)
+    other = prompt(23, 10)                                    # shares nothing
+    short_share = system[:8] + prompt(24, 30)                 # 2 shared pages of 38 tokens: no wait
+    a = pd.submit(a_ids, 71)
+    pd.wait_state(71, JobState.WAIT_DEST)                     # leased: its pages are not cached yet
+    b = pd.submit(b_ids, 72)
+    c = pd.submit(other, 73)
+    d = pd.submit(short_share, 74)
+    pd.wait_state(73, JobState.WAIT_DEST)
+    pd.wait_state(74, JobState.WAIT_DEST)
+    time.sleep(0.1)
+    assert pd.sched.load().waiting_requests == 1 and pd.sched.jobs[72].state is JobState.QUEUED
+    for room, ids in ((71, a_ids), (73, other), (74, short_share)):
+        pd.offer(pd.destination(room, len(ids)))
+    assert [j.reply.result(10).cached_tokens for j in (a, c, d)] == [0, 0, 0]
+    dest = pd.destination(72, len(b_ids))
+    pd.offer(dest)
+    res = b.reply.result(10)
+    assert res.cached_tokens == 32                            # a's 8 pages, from the cache
+    assert pd.assert_kv_is(dest, b_ids) == res.first_token_id
+    pd.notices(4)
+    pd.assert_idle_accounting()
+
+
 def test_duplicate_room_and_load_report(pair):
     pd = pair()
     ids = prompt(16, 10)
