@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine.cpu_share import CpuShare, CpuShareError, NoCpuShare
+from engine.cpu_share import DEFAULT_MIN_IDLE, CpuShare, CpuShareError, NoCpuShare
 from telemetry import metrics as M
 
 log = logging.getLogger("halfmoon.worker")
@@ -18,7 +18,7 @@ def add_cpu_share_argument(parser: argparse.ArgumentParser) -> None:
                         help="share file of the CPU workers on this machine (halfmoon up makes one): "
                              "while the other workers are idle this one computes on all cores, while "
                              "they are busy on its --torch-threads; needs --device cpu and --tp 1")
-    parser.add_argument("--cpu-share-min-idle", type=share_of_core, default=0.75, metavar="F",
+    parser.add_argument("--cpu-share-min-idle", type=share_of_core, default=DEFAULT_MIN_IDLE, metavar="F",
                         help="with --cpu-share: a thread beyond --torch-threads needs a core that every "
                              "other process (router, clients, ...) left at least this share of idle over "
                              "the last 0.2 s; 0 = the share file alone decides")

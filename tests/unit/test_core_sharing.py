@@ -62,7 +62,7 @@ def test_min_idle_flag_is_a_share_of_a_core():
 
     ap = argparse.ArgumentParser()
     add_cpu_share_argument(ap)
-    assert ap.parse_args([]).cpu_share_min_idle == 0.75
+    assert ap.parse_args([]).cpu_share_min_idle == 0.6
     assert ap.parse_args(["--cpu-share-min-idle", "0"]).cpu_share_min_idle == 0.0
     for bad in ("1.5", "-0.1", "x"):
         with pytest.raises(SystemExit):
