@@ -40,15 +40,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"HMCPUSH1"
+_HEADER = struct.Struct("<8sII")
+_RECORD = struct.Struct("<iIII")
+_BUSY = 4      # offsets inside a record
+_THREADS = 8
+
 # A thread beyond the share needs a core others leave this idle. Measured on a 2-core box (B=8 ctx
 # 640 decode step, 2 vs 1 threads, a busy loop taking part of a core): others at 0.15 core 34.6 vs
 # 41.6 ms, 0.3 core 36.0 vs 39.2, 0.5 core 40.5 vs 36.5; break-even ~0.4. Served 1P1D shared-prefix
 # c=8: TPOT 38-41 ms at 0.75 (D often left on one thread by the router + client) vs 34-38 at 0.6.
 DEFAULT_MIN_IDLE = 0.6
-_HEADER = struct.Struct("<8sII")
-_RECORD = struct.Struct("<iIII")
-_BUSY = 4      # offsets inside a record
-_THREADS = 8
 
 
 def _machine_busy_s() -> float | None:

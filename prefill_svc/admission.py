@@ -89,11 +89,7 @@ class Admission:
         ps, tokens = self.kv.page_size, job.prompt_ids
         n = len(tokens)
         cached = self.kv.cache.match_prefix(tokens[:n - 1])[0].numel()
-        shared = 0
-        for other in self.leased:
-            if other.lease is None:
-                continue
-            shared = max(shared, _common_prefix(tokens, other.prompt_ids, n - 1) // ps * ps)
+        shared = max(_common_prefix(tokens, other.prompt_ids, n - 1) for other in self.leased) // ps * ps
         gain = shared - cached
         waits = gain >= ps and 2 * gain >= n - cached
         self._waits[id(job)] = (self._generation, waits)

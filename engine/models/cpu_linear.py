@@ -12,13 +12,14 @@ GEMM 31.5 and 30.1 ms, greedy tokens equal (bench/README.md, "Decode at batch 1"
 keeps the gemv path for rows ``M <= gemv_rows`` (default 0: none) for comparison.
 
 Decode-sized inputs (``M <= small_rows``, default 64) go to our own kernel instead
-(``models/csrc/small_gemm.cpp``, built by ``make kernels``: weights packed as blocks of 16 (AVX2) or 32 (AVX-512) output rows, each
-streamed once whatever M is): on the 2-core AMD (AVX2) test box the torch wheel's oneDNN/MKL ran the
-SmolLM2 layers' GEMMs at M=1 at 7-8 GB/s and at M=8 at 3.5 GB/s of weights against 12-13 GB/s copy
-bandwidth, since MKL takes its generic path on non-Intel CPUs; the kernel was 1.2-1.8x faster than
-oneDNN for M in 1..64 on 1 and 2 threads (bench/README.md, "Small-M GEMM kernel"). Above ``small_rows`` oneDNN's blocked
-GEMM stays faster (prefill: 597 vs 725 ms for 193 rows through F.linear, 1 thread). That costs a
-second packed copy of every linear weight; ``cpu_linear=onednn`` keeps only oneDNN's.
+(``models/csrc/small_gemm.cpp``, built by ``make kernels``: weights packed as blocks of 16 (AVX2) or
+32 (AVX-512) output rows, each streamed once whatever M is): on the 2-core AMD (AVX2) test box the
+torch wheel's oneDNN/MKL ran the SmolLM2 layers' GEMMs at M=1 at 7-8 GB/s and at M=8 at 3.5 GB/s of
+weights against 12-13 GB/s copy bandwidth, since MKL takes its generic path on non-Intel CPUs; the
+kernel was 1.2-1.8x faster than oneDNN for M in 1..64 on 1 and 2 threads (bench/README.md, "Small-M
+GEMM kernel"). Above ``small_rows`` oneDNN's blocked GEMM stays faster (prefill: 597 vs 725 ms for
+193 rows through F.linear, 1 thread). That costs a second packed copy of every linear weight;
+``cpu_linear=onednn`` keeps only oneDNN's.
 
 Numerics: the packed GEMM sums in another order than MKL (float32 results differ in the last bits,
 ~4e-6 relative); greedy tokens stay equal to transformers' on the golden prompts
