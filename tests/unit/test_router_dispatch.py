@@ -87,7 +87,8 @@ class ScriptedWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeSer
         yield decode_pb2.DecodeChunk(token_ids=tokens[1:], finish_reason="length",
                                      logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=-0.5)
                                                for t in tokens[1:]],
-                                     completion_tokens=len(tokens), kv_pages_transferred=1)
+                                     completion_tokens=len(tokens), kv_pages_transferred=1,
+                                     kv_bytes_transferred=4096)
 
     async def Abort(self, request, context):
         self.aborts.append((request.request_id, request.room))

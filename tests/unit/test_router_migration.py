@@ -127,3 +127,19 @@ def test_seeded_and_repetition_penalised_requests_migrate_with_their_knobs(tok):
     assert cont.sampling.seed == 7 and list(cont.sampling.stop) == ["zz"]
     assert cont.sampling.repetition_penalty == pytest.approx(1.3)
     assert prep.sampling.max_tokens == 8 and len(prep.input_ids) == len(cont.input_ids) - 3   # untouched
+
+
+def test_usage_takes_ds_transfer_numbers_and_ps_only_when_d_sent_none(tok):
+    """D reports the KV it received on its last chunk; P's PrefillResult fills in only what D left at 0
+    (a D that finished before the router read P's answer must not lose its bytes, and vice versa)."""
+    from protos import decode_pb2, prefill_pb2
+    p = prefill_pb2.PrefillResult(cached_tokens=3, pages_sent=2, bytes_sent=8192)
+    st = StreamState(_prep(tok), limit=1)
+    st.add(decode_pb2.DecodeChunk(token_ids=[5], finish_reason="length", kv_pages_transferred=1,
+                                  kv_bytes_transferred=4096))
+    u = st.finish(None)
+    assert (u.kv_pages_transferred, u.kv_bytes_transferred, u.completion_tokens) == (1, 4096, 1)
+    st = StreamState(_prep(tok), limit=1)
+    st.add(decode_pb2.DecodeChunk(token_ids=[5], finish_reason="length"))
+    u = st.finish(p)
+    assert (u.kv_pages_transferred, u.kv_bytes_transferred, u.cached_tokens) == (2, 8192, 2)
