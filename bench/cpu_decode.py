@@ -14,6 +14,9 @@ cpu_paged   + the C++ paged decode kernel reading the pool in place (``cpu_paged
             ``bench/cpu_attention.py`` times it alone)
 small_gemm  + the small-M GEMM kernel for the decode GEMMs (``cpu_linear=packed``: the default
             configuration once ``make kernels`` built both kernels)
+bf16        the default configuration with ``dtype=bfloat16`` (weights and KV): oneDNN's native
+            bf16 GEMMs (AMX / AVX512-BF16) at every M; not run by default, name it in
+            ``--variants``; its greedy tokens may differ from the float32 ones
 ==========  ===========================================================================
 
 For each batch B and context C: B rows of C tokens already in the pool, then ``--steps`` decode
@@ -26,8 +29,9 @@ leaves out the time other processes held the core; memory-bandwidth contention s
 Floor: the bytes one step must read (every GEMM weight incl. ``lm_head``, plus the K/V of B * C
 tokens) over the machine's copy bandwidth, measured here as ``2 * bytes / time`` of a 256 MiB
 ``Tensor.copy_`` (STREAM's convention: read + write) on 1 and on 2 threads. ``x_floor`` =
-step time / floor time (1.0 = at the floor). ``tokens_equal``: every variant's greedy token of every
-step equals the baseline's. JSON on stdout (or ``--json``), a table on stderr.
+step time / floor time (1.0 = at the floor), the weight and KV bytes in each variant's dtype.
+``tokens_equal`` (per variant): its greedy tokens of the first step equal the first variant's.
+JSON on stdout (or ``--json``), a table on stderr.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ VARIANTS = {
     "paged": dict(fused_ops=True, cpu_linear="onednn", attention_backend="torch_paged"),
     "cpu_paged": dict(fused_ops=True, cpu_linear="onednn", attention_backend="cpu_paged"),
     "small_gemm": dict(fused_ops=True, cpu_linear="packed", attention_backend="cpu_paged"),
+    "bf16": dict(fused_ops=True, cpu_linear="packed", attention_backend="cpu_paged", dtype="bfloat16"),
 }
+DEFAULT_VARIANTS = [n for n in VARIANTS if n != "bf16"]
 
 
 def copy_bandwidth(threads: int, mib: int = 256, reps: int = 7) -> float:
@@ -131,7 +137,7 @@ def measure(runners: dict, batch: int, ctx: int, steps: int, repeats: int) -> di
             s.close()
     return dict(step_s={n: statistics.median(v) for n, v in per.items()},
                 cpu_s={n: statistics.median(v) for n, v in cpu.items()},
-                tokens_equal=all(toks[n] == toks[names[0]] for n in names))
+                tokens_equal={n: toks[n] == toks[names[0]] for n in names})
 
 
 def main(argv=None) -> int:
@@ -140,7 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--contexts", default="200,800")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {list(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"subset of {list(VARIANTS)}")
     ap.add_argument("--steps", type=int, default=5, help="decode steps per measurement")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None, help="also write the JSON here")
@@ -154,6 +160,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
+    from engine.models.cpu_linear import bf16_gemm_supported
 
     bw = {t: copy_bandwidth(t) for t in (1, 2)}
     torch.set_num_threads(args.threads)
@@ -163,25 +170,26 @@ def main(argv=None) -> int:
                                            torch_threads=args.threads, **VARIANTS[n])) for n in names}
     r0 = next(iter(runners.values()))
     mc = r0.model_config
-    wbytes = weight_bytes(r0.model)
+    wbytes = {n: weight_bytes(r.model) for n, r in runners.items()}
     load_before = os.getloadavg()
     results = []
     for b in batches:
         for c in contexts:
             m = measure(runners, b, c, args.steps, args.repeats)
-            kv = b * c * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * r0.kv_pool.k_buffers[0].element_size()
-            floor = {t: (wbytes + kv) / bw[t] for t in bw}
             base, cbase = m["step_s"][names[0]], m["cpu_s"][names[0]]
             for n in names:
+                kv = b * c * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * runners[n].kv_pool.k_buffers[0].element_size()
+                floor = {t: (wbytes[n] + kv) / bw[t] for t in bw}
                 s, cs = m["step_s"][n], m["cpu_s"][n]
                 results.append(dict(variant=n, batch=b, ctx=c, step_ms=round(s * 1e3, 2), cpu_ms=round(cs * 1e3, 2),
                                     speedup_vs_first=round(base / s, 3), cpu_speedup_vs_first=round(cbase / cs, 3),
                                     x_floor_1t=round(s / floor[1], 2), x_floor_2t=round(s / floor[2], 2),
-                                    tokens_equal=m["tokens_equal"]))
+                                    tokens_equal=m["tokens_equal"][n]))
                 print(f"B={b} ctx={c} {n:9} {s * 1e3:8.2f} ms (cpu {cs * 1e3:.2f})  x{base / s:.2f} (cpu x{cbase / cs:.2f})"
                       f"  floor-1t x{s / floor[1]:.2f}",
                       file=sys.stderr, flush=True)
     out = dict(bench="cpu_decode", model=args.model, threads=args.threads, torch=torch.__version__,
+               bf16_gemm_native=bf16_gemm_supported(),
                cpus=os.cpu_count(), steps=args.steps, repeats=args.repeats,
                copy_bandwidth_gb_s={str(t): round(v / 1e9, 2) for t, v in bw.items()},
                weight_bytes=wbytes, load_avg_before=load_before, load_avg_after=os.getloadavg(),

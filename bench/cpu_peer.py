@@ -76,12 +76,14 @@ def start_halfmoon(model: str, extra: list[str], tmp: Path, timeout: float = 600
     return proc, f"http://{ep['router']['http']}/v1", ep.get("api_key") or "EMPTY"
 
 
-def start_vllm(python: str, hf_dir: str, name: str, tmp: Path, timeout: float = 900) -> tuple[subprocess.Popen, str]:
-    """vLLM CPU's OpenAI server as bench/README.md documents it (fp32, 2 OpenMP threads bound to cores 0-1)."""
+def start_vllm(python: str, hf_dir: str, name: str, tmp: Path, dtype: str = "float32",
+               timeout: float = 900) -> tuple[subprocess.Popen, str]:
+    """vLLM CPU's OpenAI server as bench/README.md documents it (``dtype``, default float32; 2 OpenMP
+    threads bound to cores 0-1)."""
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
     proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
-                             "--served-model-name", name, "--dtype", "float32", "--max-model-len", "2048",
+                             "--served-model-name", name, "--dtype", dtype, "--max-model-len", "2048",
                              "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=open(tmp / "vllm.log", "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"
@@ -117,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     ap.add_argument("--halfmoon-args", default="", help="extra `halfmoon up` flags, one string")
+    ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="vLLM's --dtype (pass the same --dtype to halfmoon in --halfmoon-args)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                     help="a halfmoon stack NAME with extra `halfmoon up` flags ARGS (repeatable; default: "
                          "one stack named halfmoon)")
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
             procs.append((hm, signal.SIGINT))
             servers[name] = (hm_url, hm_key)
         if args.vllm_python:
-            vp, v_url = start_vllm(args.vllm_python, hf_dir, args.model, tmp)
+            vp, v_url = start_vllm(args.vllm_python, hf_dir, args.model, tmp, args.vllm_dtype)
             procs.append((vp, signal.SIGTERM))
             servers["vllm-cpu"] = (v_url, "EMPTY")
         names = list(servers)
@@ -188,6 +192,7 @@ def main(argv=None) -> int:
                 table.append(row)
         out = dict(bench="cpu_peer", model=args.model, servers=names, reps=args.reps, num_requests=args.num_requests,
                    output_len=args.output_len, halfmoon_args=args.halfmoon_args, variants=variants,
+                   vllm_dtype=args.vllm_dtype if args.vllm_python else None,
                    cpus=os.cpu_count(),
                    load_avg_before=load_before, load_avg_after=os.getloadavg(), table=table,
                    runs=[dict(workload=w, concurrency=c, server=n, reps=v) for (w, c, n), v in runs.items()])

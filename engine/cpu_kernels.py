@@ -37,12 +37,33 @@ from engine.model_store import halfmoon_home
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 LDFLAGS = ["-fopenmp"]
+
+
+def _vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``), "" when unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("vendor_id"):
+                    return ln.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cflags() -> list[str]:
+    """``CFLAGS`` plus this CPU's software-prefetch hint for ``small_gemm``'s weight stream:
+    non-temporal (locality 0) on AMD, where it was tuned (the 2-core Zen boxes), T0 (locality 3)
+    elsewhere: on the Intel Xeon (Sapphire Rapids class) test box ``prefetchnta`` capped the stream
+    at 5-6 GB/s of weights against 14-26 GB/s with ``prefetcht0`` (a 3072 x 576 layer at M=1: 1.20 ->
+    0.28 ms; bench/README.md, "Intel Xeon box")."""
+    return CFLAGS + [f"-DHALFMOON_PREFETCH_LOCALITY={0 if _vendor() == 'AuthenticAMD' else 3}"]
 BUILD_HINT = "build it once per machine: `make kernels` or `python -m engine.cpu_kernels`"
 
 
 def _cpu_id() -> str:
-    """This CPU's model name and ISA flags (what ``-march=native`` compiled for)."""
-    keep = ("model name", "flags")
+    """This CPU's vendor, model name and ISA flags (what ``-march=native`` and :func:`cflags` compiled for)."""
+    keep = ("vendor_id", "model name", "flags")
     try:
         with open("/proc/cpuinfo") as f:
             lines = [ln for ln in f if ln.split(":")[0].strip() in keep]
@@ -67,7 +88,7 @@ class CpuKernel:
     def build_key(self) -> str:
         """12 hex digits over the source, flags, torch/Python versions and the CPU."""
         h = hashlib.sha256()
-        for part in (self.source.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
+        for part in (self.source.read_bytes(), " ".join(cflags() + LDFLAGS).encode(), torch.__version__.encode(),
                      sys.version.encode(), _cpu_id().encode()):
             h.update(part)
             h.update(b"\0")
@@ -93,7 +114,7 @@ class CpuKernel:
         # a pip-installed ninja sits next to this interpreter, which need not be on PATH (unactivated venv)
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         # copies: load() appends to the lists it is given, which would change build_key()
-        cpp_extension.load(self.module_name(), [str(self.source)], extra_cflags=list(CFLAGS),
+        cpp_extension.load(self.module_name(), [str(self.source)], extra_cflags=cflags(),
                            extra_ldflags=list(LDFLAGS), build_directory=str(d), verbose=verbose)
         tmp = d / f"built.{os.getpid()}"
         tmp.write_text(torch.__version__ + "\n")

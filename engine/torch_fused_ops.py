@@ -6,8 +6,9 @@ place, the torch counterpart of :mod:`engine.fused_ops`:
 * q/k/v run as one GEMM and gate/up as one (121 GEMMs per step instead of 211 for 30 layers): the
   fused weights are new tensors whose row blocks the original ``*_proj.weight`` parameters become
   views of (same names, no extra memory);
-* on a float32 CPU model with ``cpu_linear=packed``, every GEMM (the fused ones, ``o_proj``,
-  ``down_proj``, ``lm_head``) runs on weights packed once (:mod:`engine.models.cpu_linear`);
+* on a float32 CPU model (or a bfloat16 one where oneDNN has native bf16 GEMMs) with
+  ``cpu_linear=packed``, every GEMM (the fused ones, ``o_proj``, ``down_proj``, ``lm_head``) runs on
+  weights packed once (:mod:`engine.models.cpu_linear`);
 * cos/sin of RoPE are computed once per forward and shared by all layers;
 * on a tensor-parallel shard (``engine.distributed``) the fused q/k/v and gate/up GEMMs run on the
   rank's column slices (its heads, its intermediate columns) and o/down keep their all-reduce.
@@ -83,8 +84,8 @@ def _pack_out(lin, impl: CpuLinear):
 
 
 def enable_torch_fused_ops(model, cpu_linear: str | CpuLinear = CpuLinear.PACKED) -> TorchFusedOps:
-    """Rewire ``model`` (in place) to fused q/k/v and gate/up GEMMs, packed on a float32 CPU model
-    when ``cpu_linear`` is ``packed``; returns the :class:`TorchFusedOps` it uses.
+    """Rewire ``model`` (in place) to fused q/k/v and gate/up GEMMs, packed on a float32 (or natively
+    bf16) CPU model when ``cpu_linear`` is ``packed``; returns the :class:`TorchFusedOps` it uses.
 
     Raises ValueError naming ``cpu_linear`` for an unknown value, or when the model already runs
     fused ops.

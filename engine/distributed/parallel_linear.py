@@ -51,7 +51,7 @@ class RowParallelLinear(nn.Linear):
 
 class PackedRowParallelLinear(PackedLinear):
     """A :class:`RowParallelLinear` whose local ``x_local @ W[:, cols].T`` runs on packed weights
-    (float32 CPU, :class:`~engine.models.cpu_linear.PackedLinear`), then the same all-reduce.
+    (float32 or natively bf16 CPU, :class:`~engine.models.cpu_linear.PackedLinear`), then the same all-reduce.
     ``weight`` is the row-parallel module's own parameter (names unchanged)."""
 
     def __init__(self, row: RowParallelLinear, small_rows: int = 0):

@@ -1,5 +1,5 @@
-"""How a float32 ``nn.Linear`` runs on the CPU: plain ``F.linear``, or weights packed once for our
-small-M kernel (decode) and for oneDNN (prefill).
+"""How a float32 (or bfloat16) ``nn.Linear`` runs on the CPU: plain ``F.linear``, or weights packed
+once for our small-M kernel (float32 decode) and for oneDNN (prefill; bfloat16 at every M).
 
 ``F.linear`` hands the row-major weight to MKL's ``sgemm``, which copies the weight panel into its
 blocked layout inside every call (the largest single cost of a CPU decode step in the profile of
@@ -90,10 +90,18 @@ class CpuLinear(enum.Enum):
             raise ValueError(f"cpu_linear: must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
+def bf16_gemm_supported() -> bool:
+    """True where oneDNN runs bfloat16 GEMMs natively (AVX512-BF16 or AMX): a bf16 CPU model's
+    linears are packed only there; elsewhere oneDNN would emulate bf16 slower than float32."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def packed_linear_supported(weight: torch.Tensor) -> bool:
-    """True for a float32 CPU weight with oneDNN available (the packed path covers only that)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available())
+    """True for a CPU weight oneDNN packs: float32 with oneDNN available, bfloat16 where
+    :func:`bf16_gemm_supported`."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bf16_gemm_supported())
 
 
 class PackedLinear(nn.Module):
@@ -101,22 +109,27 @@ class PackedLinear(nn.Module):
     the small-M kernel's blocks when ``small_rows`` > 0 and the kernel is built.
 
     ``weight`` / ``bias`` are the original parameters (same objects, so state-dict names and weight
-    ties are unchanged). Input [..., K] float32 CPU; output [..., N]. ``small_rows``: inputs of at
-    most that many rows (<= ``SMALL_ROWS``) take the small-M kernel; 0 = oneDNN only.
+    ties are unchanged). Input [..., K] CPU of the weight's dtype (float32, or bfloat16 where
+    :func:`bf16_gemm_supported`); output [..., N] of that dtype. ``small_rows``: float32 inputs of at
+    most that many rows (<= ``SMALL_ROWS``) take the small-M kernel; 0 = oneDNN only. The kernel is
+    float32 only: a bfloat16 weight runs on oneDNN at every M (its AMX / AVX512-BF16 GEMMs read half
+    the bytes, which is what a decode step is bound by).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 0,
                  small_rows: int = SMALL_ROWS):
         super().__init__()
         if not packed_linear_supported(weight):
-            raise ValueError("cpu_linear: packed weights need a float32 CPU weight and oneDNN")
+            raise ValueError("cpu_linear: packed weights need a float32 CPU weight and oneDNN, or a bfloat16 "
+                             "one on a CPU with native bf16 GEMMs (AVX512-BF16 or AMX)")
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.gemv_rows = gemv_rows
         self.out_features, self.in_features = weight.shape
         if not 0 <= small_rows <= SMALL_ROWS:
             raise ValueError(f"small_rows: must be in [0, {SMALL_ROWS}], got {small_rows}")
-        self.small_rows = small_rows if small_rows and small_gemm_kernel() is not None else 0
+        fp32 = weight.dtype == torch.float32
+        self.small_rows = small_rows if small_rows and fp32 and small_gemm_kernel() is not None else 0
         with torch.no_grad():
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8),
                                  persistent=False)

@@ -37,6 +37,12 @@ constexpr int64_t MAX_M = 64;  // rows per call (the accumulators live on the st
 // prefetch distance in K steps (NB * 4 bytes each): one chunk ahead, so the next chunk streams in
 // while this one is computed (on the AMD AVX2 test box: 32 -> 128 took M=8 from 6.7 to 9.7 GB/s)
 constexpr int64_t PF = 128;
+// the prefetch's cache hint, set per CPU vendor by engine/cpu_kernels.py (cflags): 0 (NTA) where the
+// kernel was tuned on AMD; 3 (T0) on Intel, whose NTA prefetches fill L1 only and held the stream
+// to ~6 GB/s, a quarter of what T0 reaches there
+#ifndef HALFMOON_PREFETCH_LOCALITY
+#define HALFMOON_PREFETCH_LOCALITY 3
+#endif
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));  // unaligned loads / stores
@@ -55,7 +61,7 @@ inline void tile(const float* x, int64_t ldx, const float* wb, int64_t kc, float
   for (int64_t k = 0; k < kc; ++k) {
     // the stream needs more loads in flight than the hardware prefetcher keeps once the FMAs per
     // line grow with R; past the chunk's end this touches what comes next in memory anyway
-    for (int64_t line = 0; line < NB; line += 16) __builtin_prefetch(wb + (k + PF) * NB + line, 0, 0);
+    for (int64_t line = 0; line < NB; line += 16) __builtin_prefetch(wb + (k + PF) * NB + line, 0, HALFMOON_PREFETCH_LOCALITY);
     const vf w0 = loadv(wb + k * NB), w1 = loadv(wb + k * NB + VW);
     for (int r = 0; r < R; ++r) {
       const vf xb = vf{} + x[r * ldx + k];  // broadcast
