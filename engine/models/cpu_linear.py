@@ -1,5 +1,5 @@
 """How a float32 (or bfloat16) ``nn.Linear`` runs on the CPU: plain ``F.linear``, or weights packed
-once for our small-M kernel (float32 decode) and for oneDNN (prefill; bfloat16 at every M).
+once for our small-M kernel (decode) and for oneDNN (prefill).
 
 ``F.linear`` hands the row-major weight to MKL's ``sgemm``, which copies the weight panel into its
 blocked layout inside every call (the largest single cost of a CPU decode step in the profile of
@@ -25,6 +25,11 @@ Numerics: the packed GEMM sums in another order than MKL (float32 results differ
 ~4e-6 relative); greedy tokens stay equal to transformers' on the golden prompts
 (tests/unit/test_engine_golden.py runs with packing on).
 
+bfloat16 (``--dtype bfloat16``, opt-in; float32 stays the token-identical default): packed only where
+oneDNN has native bf16 GEMMs (:func:`bf16_gemm_supported`: AVX512-BF16 or AMX), else ``F.linear``.
+The small-M kernel reads the bf16 weights and sums in float32; oneDNN (prefill) rounds x to bf16
+and sums in float32. Results are within bf16 rounding of the float32 model, not equal to it.
+
 Memory: a ``PackedLinear`` holds the packed copies next to the original weight. Once a whole model
 is packed (``engine.torch_fused_ops``), :func:`release_packed_sources` frees the row-major originals
 that nothing reads any more, so a packed model holds two copies of its linear weights (oneDNN's and
@@ -48,6 +53,10 @@ from engine.cpu_kernels import SMALL_GEMM
 log = logging.getLogger("halfmoon.engine.models")
 
 SMALL_ROWS = 64  # the kernel's row limit (MAX_M in small_gemm.cpp), and where oneDNN starts to win
+# bf16 weights: the kernel widens each to float32 (compute grows with M) while oneDNN's native bf16
+# GEMM (AMX) does not: on the Xeon box a SmolLM2 decode step was faster on the kernel up to B=4
+# (B=1 30.1 vs 37.6 ms, B=4 37.9 vs 41.6) and slower at B=8 (57.2 vs 45.7)
+BF16_SMALL_ROWS = 4
 _said_why = False
 
 
@@ -110,10 +119,11 @@ class PackedLinear(nn.Module):
 
     ``weight`` / ``bias`` are the original parameters (same objects, so state-dict names and weight
     ties are unchanged). Input [..., K] CPU of the weight's dtype (float32, or bfloat16 where
-    :func:`bf16_gemm_supported`); output [..., N] of that dtype. ``small_rows``: float32 inputs of at
-    most that many rows (<= ``SMALL_ROWS``) take the small-M kernel; 0 = oneDNN only. The kernel is
-    float32 only: a bfloat16 weight runs on oneDNN at every M (its AMX / AVX512-BF16 GEMMs read half
-    the bytes, which is what a decode step is bound by).
+    :func:`bf16_gemm_supported`); output [..., N] of that dtype. ``small_rows``: inputs of at most
+    that many rows (<= ``SMALL_ROWS``) take the small-M kernel; 0 = oneDNN only. With bfloat16
+    weights the kernel streams half the bytes (it widens them to float32 in registers and sums in
+    float32) up to ``BF16_SMALL_ROWS`` rows, and oneDNN's native bf16 GEMM (AMX / AVX512-BF16) runs
+    the rest.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv_rows: int = 0,
@@ -128,8 +138,9 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         if not 0 <= small_rows <= SMALL_ROWS:
             raise ValueError(f"small_rows: must be in [0, {SMALL_ROWS}], got {small_rows}")
-        fp32 = weight.dtype == torch.float32
-        self.small_rows = small_rows if small_rows and fp32 and small_gemm_kernel() is not None else 0
+        if weight.dtype == torch.bfloat16:
+            small_rows = min(small_rows, BF16_SMALL_ROWS)
+        self.small_rows = small_rows if small_rows and small_gemm_kernel() is not None else 0
         with torch.no_grad():
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8),
                                  persistent=False)

@@ -14,13 +14,17 @@ from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.model_runner import ModelRunner
 from engine.cpu_kernels import SMALL_GEMM
-from engine.models.cpu_linear import SMALL_ROWS, CpuLinear, PackedLinear, fused_linear
+from engine.models.cpu_linear import (BF16_SMALL_ROWS, SMALL_ROWS, CpuLinear, PackedLinear, bf16_gemm_supported,
+                                      fused_linear)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 
 def _small_gemm_built() -> bool:
     return SMALL_GEMM.load()[0] is not None
+
+
+needs_bf16 = pytest.mark.skipif(not bf16_gemm_supported(), reason="oneDNN has no native bf16 GEMM on this CPU")
 
 
 @pytest.mark.parametrize("small_rows", [SMALL_ROWS, 0])  # the small-M kernel up to 64 rows, or oneDNN only
@@ -45,6 +49,65 @@ def test_packed_linear_matches_f_linear(rows, bias, small_rows):
                                atol=1e-4, rtol=1e-5)  # leading dims kept
     wide = torch.randn(rows, 600, generator=g)[:, ::2]  # rows not contiguous
     torch.testing.assert_close(p(wide), F.linear(wide, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(not _small_gemm_built(), reason="small_gemm kernel not built (make kernels)")
+@pytest.mark.parametrize("rows", [1, 5, 8, 64])
+def test_small_gemm_streams_bf16_weights_and_sums_in_float32(rows):
+    """bfloat16 W packed as is: the result is x @ W.float().T up to float32 summation order (x stays
+    float32; a bf16 x comes back bf16); N = 167 and K = 300 leave partial blocks and chunks."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(167, 300, generator=g).bfloat16()
+    bias = torch.randn(167, generator=g).bfloat16()
+    x = torch.randn(rows, 300, generator=g)
+    packed = torch.ops.halfmoon.small_gemm_pack(w)
+    assert packed.dtype == torch.bfloat16 and packed.shape[1:] == (300, SMALL_GEMM.load()[0].BLOCK)
+    want = x @ w.float().T + bias.float()
+    torch.testing.assert_close(torch.ops.halfmoon.small_gemm(x, packed, 167, bias), want, atol=1e-4, rtol=1e-5)
+    y = torch.ops.halfmoon.small_gemm(x.bfloat16(), packed, 167, None)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), x.bfloat16().float() @ w.float().T, atol=0.1, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="float32"):  # float32 weights take float32 x only
+        torch.ops.halfmoon.small_gemm(x.bfloat16(), torch.ops.halfmoon.small_gemm_pack(w.float()), 167, None)
+
+
+@needs_bf16
+@pytest.mark.parametrize("small_rows", [SMALL_ROWS, 0])
+@pytest.mark.parametrize("rows", [1, 4, 8, 65])
+def test_bf16_linear_is_packed_and_matches_f_linear_within_bf16_rounding(rows, small_rows):
+    """A bfloat16 weight is packed (the small-M kernel up to ``BF16_SMALL_ROWS`` rows when built,
+    oneDNN's native bf16 GEMM above): before, PackedLinear refused it and a bf16 CPU model ran F.linear."""
+    g = torch.Generator().manual_seed(rows)
+    lin = torch.nn.Linear(300, 167, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(167, 300, generator=g))
+    x = torch.randn(rows, 300, generator=g).bfloat16()
+    p = PackedLinear.from_linear(lin, small_rows=small_rows)
+    assert p.packed.dtype == torch.bfloat16
+    assert p.small_rows == (min(small_rows, BF16_SMALL_ROWS) if _small_gemm_built() else 0)
+    y = p(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 167)
+    want = x.float() @ lin.weight.float().T
+    torch.testing.assert_close(y.float(), want, atol=0.15, rtol=1e-2)  # bf16 output rounding of |y| ~ 17
+
+
+@needs_bf16
+def test_a_bf16_cpu_model_packs_every_linear_and_stays_near_float32(model_dir):
+    """``--dtype bfloat16`` on the CPU: every GEMM packed in bf16 (half the bytes per decode step);
+    the greedy next token of two prompts equals the float32 model's and the logits stay within bf16
+    rounding of them."""
+    kw = dict(model=str(model_dir), num_pages=16, max_running_requests=2, max_context=64, torch_threads=1)
+    bf = ModelRunner(EngineConfig(dtype="bfloat16", **kw))
+    fp = ModelRunner(EngineConfig(**kw))
+    layer = bf.model.model.layers[0]
+    packed = [bf.model._fused.qkv[0], bf.model._fused.gate_up[0], layer.self_attn.o_proj, layer.mlp.down_proj,
+              bf.model.lm_head]
+    assert all(type(m) is PackedLinear and m.packed.dtype == torch.bfloat16 for m in packed)
+    prompts = [list(range(200, 230)), list(range(900, 917))]
+    want = _decode_step(fp, prompts)([1234, 4321])
+    got = _decode_step(bf, prompts)([1234, 4321])
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert (got.float() - want).abs().max() < 0.05 * want.abs().max()
 
 
 @pytest.mark.skipif(not _small_gemm_built(), reason="small_gemm kernel not built (make kernels)")

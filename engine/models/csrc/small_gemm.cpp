@@ -1,5 +1,5 @@
-// Small-M float32 GEMM for CPU decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), M up to a few
-// dozen rows (a decode batch, a short extend), W packed once at load.
+// Small-M GEMM for CPU decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), M up to a few dozen rows
+// (a decode batch, a short extend), W float32 or bfloat16, packed once at load; sums in float32.
 //
 // Why our own: at decode sizes the step is a stream of weight bytes, and the BLAS the torch CPU
 // wheel ships (MKL, and oneDNN's f32 matmul, which ends in the same code there) reached 7.3 GB/s
@@ -16,6 +16,11 @@
 // Threads split the blocks (at::parallel_for: torch's OpenMP pool, so torch.set_num_threads
 // applies). With AVX-512 the vectors are 512-bit: on the Zen 5 test box 256-bit ones left the
 // kernel at half of oneDNN's speed from 16 rows up.
+//
+// bfloat16 weights: same layout, half the bytes; each weight vector is widened to float32 in
+// registers (a bf16 is the top half of a float32: zero-extend, shift left 16) and the FMAs run in
+// float32 on float32 x. A decode step is bound by the weight stream, so this halves its floor; on
+// the Xeon box oneDNN's own bf16 GEMM (AMX) streamed only ~10 GB/s of weights at M=1.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -46,13 +51,21 @@ constexpr int64_t PF = 128;
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));  // unaligned loads / stores
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint16_t vhu __attribute__((vector_size(VW * 2), aligned(2)));  // VW bfloat16, unaligned
 
 inline vf loadv(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline void storev(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+// VW bfloat16 (their bits) -> VW float32
+inline vf loadv(const uint16_t* p) {
+  return reinterpret_cast<vf>(__builtin_convertvector(*reinterpret_cast<const vhu*>(p), vu) << 16);
+}
 
 // rows [0, R) of x (R <= MT), columns [0, kc) of a packed block chunk: acc[r, 0:NB] += x[r] . wb
-template <int R>
-inline void tile(const float* x, int64_t ldx, const float* wb, int64_t kc, float* acc) {
+// (W: float, or uint16_t holding bfloat16 bits)
+template <int R, typename W>
+inline void tile(const float* x, int64_t ldx, const W* wb, int64_t kc, float* acc) {
+  constexpr int64_t LINE = 64 / sizeof(W);  // elements per cache line
   vf a0[R], a1[R];
   for (int r = 0; r < R; ++r) {
     a0[r] = loadv(acc + r * NB);
@@ -61,7 +74,7 @@ inline void tile(const float* x, int64_t ldx, const float* wb, int64_t kc, float
   for (int64_t k = 0; k < kc; ++k) {
     // the stream needs more loads in flight than the hardware prefetcher keeps once the FMAs per
     // line grow with R; past the chunk's end this touches what comes next in memory anyway
-    for (int64_t line = 0; line < NB; line += 16) __builtin_prefetch(wb + (k + PF) * NB + line, 0, HALFMOON_PREFETCH_LOCALITY);
+    for (int64_t line = 0; line < NB; line += LINE) __builtin_prefetch(wb + (k + PF) * NB + line, 0, HALFMOON_PREFETCH_LOCALITY);
     const vf w0 = loadv(wb + k * NB), w1 = loadv(wb + k * NB + VW);
     for (int r = 0; r < R; ++r) {
       const vf xb = vf{} + x[r * ldx + k];  // broadcast
@@ -75,7 +88,8 @@ inline void tile(const float* x, int64_t ldx, const float* wb, int64_t kc, float
   }
 }
 
-void tile_rows(int64_t R, const float* x, int64_t ldx, const float* wb, int64_t kc, float* acc) {
+template <typename W>
+void tile_rows(int64_t R, const float* x, int64_t ldx, const W* wb, int64_t kc, float* acc) {
   switch (R) {
     case 6: tile<6>(x, ldx, wb, kc, acc); break;
     case 5: tile<5>(x, ldx, wb, kc, acc); break;
@@ -90,7 +104,8 @@ void tile_rows(int64_t R, const float* x, int64_t ldx, const float* wb, int64_t 
 // every row of x against one packed block -> y[:, 0:nvalid] (+ bias). K is walked in chunks of
 // KC columns and every row tile runs on a chunk while it is in L1, so the
 // block comes from memory once however many tiles M needs.
-void block(const float* x, int64_t M, int64_t ldx, const float* wb, int64_t K, float* y, int64_t ldy,
+template <typename W>
+void block(const float* x, int64_t M, int64_t ldx, const W* wb, int64_t K, float* y, int64_t ldy,
            int64_t nvalid, const float* bias) {
   alignas(64) float acc[MAX_M * NB];
   std::memset(acc, 0, sizeof(float) * M * NB);
@@ -105,54 +120,66 @@ void block(const float* x, int64_t M, int64_t ldx, const float* wb, int64_t K, f
 
 }  // namespace
 
-// W [N, K] float32 -> packed [ceil(N / NB), K, NB] float32 (zero rows past N).
+// W [N, K] float32 or bfloat16 -> packed [ceil(N / NB), K, NB] of W's dtype (zero rows past N).
 torch::Tensor small_gemm_pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.device().is_cpu(),
-              "small_gemm_pack: w must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() &&
+                  (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+              "small_gemm_pack: w must be a 2-D float32 or bfloat16 CPU tensor");
   const int64_t N = w.size(0), K = w.size(1), nb = (N + NB - 1) / NB;
   auto wc = w.contiguous();
   auto packed = torch::zeros({nb, K, NB}, w.options());
-  const float* src = wc.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
+  const int64_t es = w.element_size();
+  const char* src = static_cast<const char*>(wc.data_ptr());
+  char* dst = static_cast<char*>(packed.data_ptr());
   at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)
       for (int64_t i = 0; i < NB && j * NB + i < N; ++i)
-        for (int64_t k = 0; k < K; ++k) dst[(j * K + k) * NB + i] = src[(j * NB + i) * K + k];
+        for (int64_t k = 0; k < K; ++k)
+          std::memcpy(dst + ((j * K + k) * NB + i) * es, src + ((j * NB + i) * K + k) * es, es);
   });
   return packed;
 }
 
-// x [M, K] float32 (rows contiguous), packed from small_gemm_pack of W [N, K], bias [N] or None
-// -> y [M, N] float32.
+// x [M, K] float32 or bfloat16, packed from small_gemm_pack of W [N, K] (float32 or bfloat16),
+// bias [N] or None -> y [M, N] of x's dtype. A float32 packed W takes float32 x only.
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
-              "small_gemm: x must be a 2-D float32 CPU tensor");
+  const bool wbf16 = packed.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
+                  (x.scalar_type() == torch::kFloat32 || (wbf16 && x.scalar_type() == torch::kBFloat16)),
+              "small_gemm: x must be a 2-D float32 CPU tensor (or bfloat16 with bfloat16 weights)");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB && packed.size(1) == x.size(1) &&
-                  packed.size(0) == (N + NB - 1) / NB && packed.is_contiguous(),
+                  packed.size(0) == (N + NB - 1) / NB && packed.is_contiguous() &&
+                  (wbf16 || packed.scalar_type() == torch::kFloat32),
               "small_gemm: packed does not match x's K or N");
-  auto xc = x.stride(1) == 1 ? x : x.contiguous();
+  auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
+  auto xc = xf.stride(1) == 1 ? xf : xf.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), ldx = xc.stride(0), nb = packed.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, N}, xc.options());
   const float* bp = nullptr;
   torch::Tensor bc;
   if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.numel() == N && bc.scalar_type() == torch::kFloat32, "small_gemm: bias must be [N] float32");
+    bc = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(bc.numel() == N, "small_gemm: bias must be [N]");
     bp = bc.data_ptr<float>();
   }
   const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   TORCH_CHECK(M <= MAX_M, "small_gemm: at most ", MAX_M, " rows, got ", M);
-  if (M == 0) return y;
+  if (M == 0) return y.to(x.scalar_type());
   // a few blocks per task: each is ~K * 64 bytes, so tasks stay well above the fork/join cost
-  at::parallel_for(0, nb, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t n0 = j * NB, nvalid = std::min(NB, N - n0);
-      block(xp, M, ldx, wp + j * K * NB, K, yp + n0, N, nvalid, bp ? bp + n0 : nullptr);
-    }
-  });
-  return y;
+  auto run = [&](auto* wp) {
+    at::parallel_for(0, nb, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t n0 = j * NB, nvalid = std::min(NB, N - n0);
+        block(xp, M, ldx, wp + j * K * NB, K, yp + n0, N, nvalid, bp ? bp + n0 : nullptr);
+      }
+    });
+  };
+  if (wbf16)
+    run(reinterpret_cast<const uint16_t*>(packed.data_ptr()));
+  else
+    run(packed.data_ptr<float>());
+  return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
 }
 
 // A torch op (torch.ops.halfmoon.small_gemm / small_gemm_pack), so profilers and dispatch modes see
