@@ -97,7 +97,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="auto: flashinfer on CUDA bf16/fp16, cpu_paged on CPU once `make kernels` built it "
                         "(else torch_paged, logged) | torch | torch_paged | cpu_paged | flashinfer")
     g.add_argument("--cpu-linear", default=d.cpu_linear, choices=[m.value for m in CpuLinear],
-                   help="float32 CPU GEMMs: packed (weights packed once: the small-M kernel for decode when `make kernels` built it, oneDNN above 64 rows) | onednn (oneDNN packed only) | torch (F.linear)")
+                   help="CPU GEMMs (float32; bfloat16 where oneDNN has native bf16 GEMMs): packed (weights packed once: the small-M kernel for decode when `make kernels` built it, oneDNN above 64 rows, 8 with bf16) | onednn (oneDNN packed only) | torch (F.linear)")
     g.add_argument("--kv-layout", default=d.kv_layout, choices=KV_LAYOUTS,
                    help="KV pool layout: page_major (a page run is one transfer put) | layer_major")
     g.add_argument("--tp", type=int_at_least(1), default=d.tp_size,

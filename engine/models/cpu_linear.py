@@ -54,9 +54,9 @@ log = logging.getLogger("halfmoon.engine.models")
 
 SMALL_ROWS = 64  # the kernel's row limit (MAX_M in small_gemm.cpp), and where oneDNN starts to win
 # bf16 weights: the kernel widens each to float32 (compute grows with M) while oneDNN's native bf16
-# GEMM (AMX) does not: on the Xeon box a SmolLM2 decode step was faster on the kernel up to B=4
-# (B=1 30.1 vs 37.6 ms, B=4 37.9 vs 41.6) and slower at B=8 (57.2 vs 45.7)
-BF16_SMALL_ROWS = 4
+# GEMM (AMX) does not: on the Xeon box a SmolLM2 decode step (ctx 200) was faster on the kernel up to
+# B=8 (2 threads: B=1 23.9 vs 26.5 ms, B=8 29.4 vs 30.2) and slower from B=12 (37.8 vs 34.6)
+BF16_SMALL_ROWS = 8
 _said_why = False
 
 
