@@ -14,9 +14,10 @@ cpu_paged   + the C++ paged decode kernel reading the pool in place (``cpu_paged
             ``bench/cpu_attention.py`` times it alone)
 small_gemm  + the small-M GEMM kernel for the decode GEMMs (``cpu_linear=packed``: the default
             configuration once ``make kernels`` built both kernels)
-bf16        the default configuration with ``dtype=bfloat16`` (weights and KV): oneDNN's native
-            bf16 GEMMs (AMX / AVX512-BF16) at every M; not run by default, name it in
-            ``--variants``; its greedy tokens may differ from the float32 ones
+bf16        the default configuration with ``dtype=bfloat16`` (weights and KV): the small-M kernel
+            on bf16 weights up to ``BF16_SMALL_ROWS`` rows, oneDNN's native bf16 GEMMs (AMX /
+            AVX512-BF16) above; not run by default, name it in ``--variants``; its greedy tokens
+            may differ from the float32 ones
 ==========  ===========================================================================
 
 For each batch B and context C: B rows of C tokens already in the pool, then ``--steps`` decode

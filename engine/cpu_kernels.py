@@ -37,18 +37,17 @@ from engine.model_store import halfmoon_home
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 LDFLAGS = ["-fopenmp"]
+BUILD_HINT = "build it once per machine: `make kernels` or `python -m engine.cpu_kernels`"
 
 
-def _vendor() -> str:
-    """``vendor_id`` of /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``), "" when unknown."""
+def _cpuinfo(keys: tuple[str, ...]) -> list[str] | None:
+    """The distinct /proc/cpuinfo lines of those keys, sorted (one per key on a uniform CPU); None
+    when the file cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith("vendor_id"):
-                    return ln.split(":", 1)[1].strip()
+            return sorted({ln for ln in f if ln.split(":")[0].strip() in keys})
     except OSError:
-        pass
-    return ""
+        return None
 
 
 def cflags() -> list[str]:
@@ -57,19 +56,14 @@ def cflags() -> list[str]:
     elsewhere: on the Intel Xeon (Sapphire Rapids class) test box ``prefetchnta`` capped the stream
     at 5-6 GB/s of weights against 14-26 GB/s with ``prefetcht0`` (a 3072 x 576 layer at M=1: 1.20 ->
     0.28 ms; bench/README.md, "Intel Xeon box")."""
-    return CFLAGS + [f"-DHALFMOON_PREFETCH_LOCALITY={0 if _vendor() == 'AuthenticAMD' else 3}"]
-BUILD_HINT = "build it once per machine: `make kernels` or `python -m engine.cpu_kernels`"
+    amd = any("AuthenticAMD" in ln for ln in _cpuinfo(("vendor_id",)) or ())
+    return CFLAGS + [f"-DHALFMOON_PREFETCH_LOCALITY={0 if amd else 3}"]
 
 
 def _cpu_id() -> str:
     """This CPU's vendor, model name and ISA flags (what ``-march=native`` and :func:`cflags` compiled for)."""
-    keep = ("vendor_id", "model name", "flags")
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.split(":")[0].strip() in keep]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
+    lines = _cpuinfo(("vendor_id", "model name", "flags"))
+    return platform.processor() if lines is None else "".join(lines)
 
 
 class CpuKernel:

@@ -44,7 +44,7 @@ constexpr int MT = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16
 constexpr int64_t NB = 2 * VW;  // output rows per block: two vectors
 constexpr int64_t KC = 128;  // K columns per chunk: 8 (AVX2) or 16 KB (AVX-512) of a block, in L1 for every row tile
 constexpr int64_t MAX_M = 64;  // rows per call (the accumulators live on the stack)
-// prefetch distance in K steps (NB * 4 bytes each): one chunk ahead, so the next chunk streams in
+// prefetch distance in K steps (NB weights each): one chunk ahead, so the next chunk streams in
 // while this one is computed (on the AMD AVX2 test box: 32 -> 128 took M=8 from 6.7 to 9.7 GB/s)
 constexpr int64_t PF = 128;
 // the prefetch's cache hint, set per CPU vendor by engine/cpu_kernels.py (cflags): 0 (NTA) where the
@@ -84,7 +84,8 @@ inline void tile(const float* x, int64_t ldx, const W* wb, int64_t kc, float* ac
   for (int64_t k = 0; k < kc; ++k) {
     // the stream needs more loads in flight than the hardware prefetcher keeps once the FMAs per
     // line grow with R; past the chunk's end this touches what comes next in memory anyway
-    for (int64_t line = 0; line < NB; line += LINE) __builtin_prefetch(wb + (k + PF) * NB + line, 0, HALFMOON_PREFETCH_LOCALITY);
+    for (int64_t line = 0; line < NB; line += LINE)
+      __builtin_prefetch(wb + (k + PF) * NB + line, 0, HALFMOON_PREFETCH_LOCALITY);
     const vf w0 = loadv(wb + k * NB), w1 = loadv(wb + k * NB + VW);
     for (int r = 0; r < R; ++r) {
       const vf xb = bcast(x + r * ldx + k);
