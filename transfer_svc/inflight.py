@@ -53,14 +53,21 @@ def deadline_passed(b: Batch) -> bool:
     return b.not_after is not None and time.monotonic() > b.not_after
 
 
-def failure_label(reason: str) -> str:
-    """Map a failure reason to halfmoon_transfer_failures_total's `reason` label."""
+def failure_label(reason: str, owner_gone: bool = False) -> str:
+    """Map a failure reason to halfmoon_transfer_failures_total's `reason` label.
+
+    ``owner_gone``: the segment's owner ran on this host and has exited (``owner_exited``). That
+    fact decides the label whatever UCX said: a peer killed mid-batch is reported as a reset, an
+    I/O error, an endpoint timeout or our own deadline depending on where the kill lands."""
     r = reason.lower()
+    if owner_gone:
+        return "peer_unreachable"
     if "timed out" in r or WRITE_DEADLINE_PASSED in r:
         return "timeout"
     if "closed by the user" in r or "engine closed" in r:
         return "aborted"
-    if any(k in r for k in ("exited", "reset", "unreachable", "connection", "dropped")):
+    if any(k in r for k in ("exited", "reset", "unreachable", "connection", "dropped",
+                            "not connected", "endpoint timeout")):
         return "peer_unreachable"
     if "ucx" in r:
         return "remote_error"
@@ -240,7 +247,8 @@ class Inflight(LoopWork, SegmentWork):
                 metrics.TRANSFER_BYTES.inc(b.total)
                 metrics.TRANSFER_BATCH_SECONDS.observe(time.monotonic() - b.started)
             else:
-                metrics.TRANSFER_FAILURES.labels(reason=failure_label(reason)).inc()
+                gone = seg is not None and owner_exited(seg)
+                metrics.TRANSFER_FAILURES.labels(reason=failure_label(reason, gone)).inc()
         b.reason = reason
         b.keep = None
         b.state = state

@@ -189,7 +189,7 @@ def test_peer_killed_mid_batch_fails_and_survivor_continues(tl, peers, engine_fa
     assert st.state is State.FAILED, st
     assert elapsed < 5.0 + 1.0
     assert st.reason
-    assert reg.get_sample_value("halfmoon_transfer_failures_total", labels) - failed_before == 1
+    assert reg.get_sample_value("halfmoon_transfer_failures_total", labels) - failed_before == 1, st.reason
     nst = eng.wait(nid)
     assert nst.state is State.FAILED, nst  # never claims pages that did not arrive
     with pytest.raises(SegmentClosed):
