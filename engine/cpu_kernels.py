@@ -1,11 +1,13 @@
 """The engine's C++ CPU kernels: built once per machine, loaded by every process.
 
-Two kernels, each its own torch extension (:data:`KERNELS`):
+Three kernels, each its own torch extension (:data:`KERNELS`):
 
 * ``paged_decode`` (``attention/csrc/paged_decode.cpp``): decode attention reading the KV pool in
   place (``engine.attention.cpu_paged_backend``);
 * ``small_gemm`` (``models/csrc/small_gemm.cpp``): float32 ``x @ W.T`` for the few rows of a decode
-  step, weights packed once (``engine.models.cpu_linear.PackedLinear``).
+  step, weights packed once (``engine.models.cpu_linear.PackedLinear``);
+* ``decode_glue`` (``models/csrc/decode_glue.cpp``): residual add + RMSNorm, RoPE in place and
+  SiLU·mul between those GEMMs, one call each (``engine.torch_fused_ops``).
 
 Build: ``python -m engine.cpu_kernels`` (``make kernels``, a prerequisite of ``make test`` and
 ``make demo``) compiles each source with ``torch.utils.cpp_extension.load`` (g++, ninja, ``-O3
@@ -72,17 +74,22 @@ class CpuKernel:
     Args:
         name: the extension's name stem (``paged_decode``).
         source: its ``.cpp`` file.
+        extra_cflags: flags after :func:`cflags` (a later flag wins: ``-ffp-contract=off``).
     """
 
-    def __init__(self, name: str, source: Path):
+    def __init__(self, name: str, source: Path, extra_cflags: tuple[str, ...] = ()):
         self.name = name
         self.source = source
+        self.extra_cflags = list(extra_cflags)
         self._loaded: tuple[ModuleType | None, str] | None = None
+
+    def cflags(self) -> list[str]:
+        return cflags() + self.extra_cflags
 
     def build_key(self) -> str:
         """12 hex digits over the source, flags, torch/Python versions and the CPU."""
         h = hashlib.sha256()
-        for part in (self.source.read_bytes(), " ".join(cflags() + LDFLAGS).encode(), torch.__version__.encode(),
+        for part in (self.source.read_bytes(), " ".join(self.cflags() + LDFLAGS).encode(), torch.__version__.encode(),
                      sys.version.encode(), _cpu_id().encode()):
             h.update(part)
             h.update(b"\0")
@@ -108,7 +115,7 @@ class CpuKernel:
         # a pip-installed ninja sits next to this interpreter, which need not be on PATH (unactivated venv)
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         # copies: load() appends to the lists it is given, which would change build_key()
-        cpp_extension.load(self.module_name(), [str(self.source)], extra_cflags=cflags(),
+        cpp_extension.load(self.module_name(), [str(self.source)], extra_cflags=self.cflags(),
                            extra_ldflags=list(LDFLAGS), build_directory=str(d), verbose=verbose)
         tmp = d / f"built.{os.getpid()}"
         tmp.write_text(torch.__version__ + "\n")
@@ -143,7 +150,9 @@ class CpuKernel:
 _HERE = Path(__file__).parent
 PAGED_DECODE = CpuKernel("paged_decode", _HERE / "attention" / "csrc" / "paged_decode.cpp")
 SMALL_GEMM = CpuKernel("small_gemm", _HERE / "models" / "csrc" / "small_gemm.cpp")
-KERNELS = (PAGED_DECODE, SMALL_GEMM)
+# no FMA contraction: its RoPE must round each product as torch does
+DECODE_GLUE = CpuKernel("decode_glue", _HERE / "models" / "csrc" / "decode_glue.cpp", ("-ffp-contract=off",))
+KERNELS = (PAGED_DECODE, SMALL_GEMM, DECODE_GLUE)
 
 
 def main(argv: list[str] | None = None) -> int:

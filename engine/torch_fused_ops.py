@@ -13,8 +13,13 @@ place, the torch counterpart of :mod:`engine.fused_ops`:
 * on a tensor-parallel shard (``engine.distributed``) the fused q/k/v and gate/up GEMMs run on the
   rank's column slices (its heads, its intermediate columns) and o/down keep their all-reduce.
 
-Norms, RoPE, SiLU·mul and the residual adds are the torch path's own ops in the same order
-(HF's LlamaDecoderLayer), so only the GEMM summation order can differ from the unfused forward.
+Norms, RoPE, SiLU·mul and the residual adds compute what HF's LlamaDecoderLayer computes, in the
+same order, so only the GEMM summation order can differ from the unfused forward. Where the
+``decode_glue`` kernel is built (``make kernels``) and the model is a plain Llama (no q/k norm),
+each of them is one C++ call on the residual stream in place (``models/csrc/decode_glue.cpp``, the
+same bits as the torch ops) and the layer loop calls the projections' ``forward`` directly: with a
+few rows per step the ~40 Python ops and module calls per layer cost more than the norms' arithmetic
+(on SmolLM2-135M, 30 layers, about a quarter of a batch-1 step on two cores).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_kernels import DECODE_GLUE
 from engine.distributed.parallel_linear import PackedRowParallelLinear, RowParallelLinear
 from engine.models.cpu_linear import (CpuLinear, fused_linear, pack_linear, packed_linear_supported,
                                       release_packed_sources, trim_heap)
@@ -38,10 +44,12 @@ class TorchFusedOps:
     Attributes:
         qkv, gate_up: per layer, the fused projection module (``nn.Linear`` or ``PackedLinear``).
         cpu_linear: the :class:`CpuLinear` the GEMMs run with.
+        glue: the loaded ``decode_glue`` kernel module the layer loop runs its element-wise steps
+            with, or None (torch ops; a benchmark may set it to None to compare).
     """
 
-    def __init__(self, qkv: list, gate_up: list, cpu_linear: CpuLinear):
-        self.qkv, self.gate_up, self.cpu_linear = qkv, gate_up, cpu_linear
+    def __init__(self, qkv: list, gate_up: list, cpu_linear: CpuLinear, glue=None):
+        self.qkv, self.gate_up, self.cpu_linear, self.glue = qkv, gate_up, cpu_linear, glue
         self._cos_sin = (None, None)
 
     def attention(self, attn, x, batch, backend) -> torch.Tensor:
@@ -64,6 +72,11 @@ class TorchFusedOps:
         """Every decoder layer over the embeddings ``x`` [T, hidden] -> ``(h, residual)`` whose sum is
         the last layer's output (h = the last MLP output, residual = its input stream)."""
         self._cos_sin = model.rotary.cos_sin(batch.positions, x.dtype)
+        if self.glue is not None:
+            try:
+                return self._glued_layers(model, x.contiguous(), batch, backend)
+            finally:
+                self._cos_sin = (None, None)
         h = None
         for layer in model.layers:
             if h is not None:
@@ -72,6 +85,36 @@ class TorchFusedOps:
             h = layer.mlp(layer.post_attention_layernorm(x))
         self._cos_sin = (None, None)
         return h, x
+
+    def _glued_layers(self, model, x: torch.Tensor, batch, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decoder_layers` with the ``decode_glue`` kernel: ``x`` [T, hidden] (contiguous)
+        is the residual stream, updated in place by each norm's residual add."""
+        g = self.glue
+        cos, sin = self._cos_sin
+        T, h = x.shape[0], None
+        for layer in model.layers:
+            a, m, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            H, KVH, D = a.h, a.kvh, a.d
+            qkv = self.qkv[a.layer].forward(g.add_rms_norm(x, h, n1.weight, n1.eps))
+            g.rope_(qkv, cos, sin, H + KVH, D)  # q's and k's heads, in place
+            q = qkv[:, :H * D].view(T, H, D)
+            k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
+            v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
+            o = a.o_proj.forward(backend.forward(q, k, v, a.layer, batch))
+            gate_up = self.gate_up[m.layer].forward(g.add_rms_norm(x, o.contiguous(), n2.weight, n2.eps))
+            h = m.down_proj.forward(g.silu_mul(gate_up)).contiguous()
+        return h, x
+
+
+def glue_kernel(model):
+    """The ``decode_glue`` module when it can run ``model``'s layers (a CPU model in float32 or
+    bfloat16 without per-head q/k norms, the kernel built), else None."""
+    p = model.model.embed_tokens.weight
+    if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if any(layer.self_attn.q_norm is not None for layer in model.model.layers):
+        return None
+    return DECODE_GLUE.load()[0]
 
 
 def _pack_out(lin, impl: CpuLinear):
@@ -104,7 +147,7 @@ def enable_torch_fused_ops(model, cpu_linear: str | CpuLinear = CpuLinear.PACKED
         if impl.packs:  # layer by layer: loading peaks at one layer's extra copies
             freed += release_packed_sources(model, [qkv[-1], gate_up[-1], a.o_proj, m.down_proj],
                                             [a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj])
-    ops = TorchFusedOps(qkv, gate_up, impl)
+    ops = TorchFusedOps(qkv, gate_up, impl, glue=glue_kernel(model))
     for layer in model.model.layers:
         layer.self_attn._fused = layer.mlp._fused = ops
     model.lm_head = pack_linear(model.lm_head, impl)
