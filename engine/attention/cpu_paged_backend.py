@@ -1,6 +1,7 @@
 """The ``cpu_paged`` attention backend: decode through a C++ kernel that reads the KV pool in place.
 
-Decode (one new token per request): :meth:`init_forward` builds the page table int32 ``[B,
+Decode (one new token per request): the step's K/V are stored and attended in one kernel call
+(``store_and_decode``: the same bytes as ``KVPool.write``). :meth:`init_forward` builds the page table int32 ``[B,
 max_pages]`` (page ``j`` of row ``b`` = ``req_to_token[row, j * page_size] // page_size``, docs/
 architecture.md "KV memory") and ``seq_lens`` int32 ``[B]`` once per step; every layer then calls
 ``paged_decode`` (``csrc/paged_decode.cpp``: flash-decoding over (request, split) work items, each
@@ -63,9 +64,6 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         if batch.mode is not ForwardMode.DECODE:
             return super().forward(q, k, v, layer, batch)
         pool = self.kv_pool
-        pool.write(layer, batch.out_cache_loc, k, v)
-        qf = q.to(torch.float32).contiguous()
-        out = torch.empty_like(qf)
-        self._kernel.paged_decode(qf, pool.k_pages(layer), pool.v_pages(layer), self._table, self._lens,
-                                  self.scale, out, self._splits)
-        return out.to(q.dtype).reshape(q.shape[0], self.num_heads * self.head_dim)
+        # KVPool.write's store and the kernel in one call (q, k, v may be views of a fused q/k/v row)
+        return self._kernel.store_and_decode(q, k, v, pool.k_pages(layer), pool.v_pages(layer), batch.out_cache_loc,
+                                             self._table, self._lens, self.scale, self._splits)

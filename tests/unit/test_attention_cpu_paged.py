@@ -197,3 +197,44 @@ def test_load_never_builds_and_names_the_build_command(monkeypatch, tmp_path):
     src.write_bytes(cpu_kernel.source.read_bytes() + b"// edited\n")
     monkeypatch.setattr(cpu_kernel, "source", src)
     assert cpu_kernel.build_key() != key
+
+
+@pytest.mark.parametrize("layout", ["page_major", "layer_major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_and_decode_stores_what_kv_pool_write_stores_and_attends_like_paged_decode(layout, dtype):
+    """The backend's decode call: k / v stored at the step's slots with the same bytes as
+    ``KVPool.write`` (q, k, v strided views of one fused q/k/v row, as the model passes them), then
+    the same output as ``paged_decode`` on a float32 copy of q, cast back to q's dtype."""
+    lens = [1, PS + 1, 300]
+    pool, r2t, rows, kw, g = _setup(layout, 3, 3, lens, dtype)
+    ref_pool, *_ = _setup(layout, 3, 3, lens, dtype)
+    backend = create_backend("cpu_paged", **kw)
+    batch = ForwardBatch.decode(rows, lens, [0] * len(lens), r2t.req_to_token)
+    backend.init_forward(batch)
+    B, H, KVH = len(lens), 9, 3
+    qkv = torch.randn(B, (H + 2 * KVH) * D, generator=g).to(dtype)
+    q = qkv[:, :H * D].view(B, H, D)
+    k, v = qkv[:, H * D:(H + KVH) * D].view(B, KVH, D), qkv[:, (H + KVH) * D:].view(B, KVH, D)
+    mod = cpu_kernel.load()[0]
+    got = mod.store_and_decode(q, k, v, pool.k_pages(1), pool.v_pages(1), batch.out_cache_loc, backend._table,
+                               backend._lens, backend.scale, backend._splits)
+    ref_pool.write(1, batch.out_cache_loc, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(pool.buffers(), ref_pool.buffers()))
+    want = torch.empty(B, H, D)
+    mod.paged_decode(q.float().contiguous(), ref_pool.k_pages(1), ref_pool.v_pages(1), backend._table,
+                     backend._lens, backend.scale, want, backend._splits)
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype).view(B, H * D))
+
+
+def test_store_and_decode_refuses_a_slot_outside_the_pool_before_writing():
+    pool, r2t, rows, kw, g = _setup("page_major", 3, 3, [20])
+    mod = cpu_kernel.load()[0]
+    before = [b.clone() for b in pool.buffers()]
+    q, k = torch.randn(2, 9, D), torch.randn(2, 3, D)
+    table, lens = torch.zeros(2, 2, dtype=torch.int32), torch.tensor([20, 20], dtype=torch.int32)
+    bad = torch.tensor([5, pool.num_slots], dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        mod.store_and_decode(q, k, k, pool.k_pages(0), pool.v_pages(0), bad, table, lens, 0.1, 1)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        mod.store_and_decode(q, k, k, pool.k_pages(0), pool.v_pages(0), torch.tensor([-1, 0]), table, lens, 0.1, 1)
+    assert all(torch.equal(a, b) for a, b in zip(pool.buffers(), before))

@@ -343,8 +343,80 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_pages, const at::Tens
   }
 }
 
+template <typename P, typename S>
+void store_rows(const at::Tensor& src, const at::Tensor& pages, const int64_t* slots) {
+  const int64_t B = src.size(0), KVH = src.size(1), D = src.size(2), ps = pages.size(1);
+  const S* sp = src.data_ptr<S>();
+  P* dp = pages.data_ptr<P>();
+  for (int64_t b = 0; b < B; ++b) {
+    P* row = dp + (slots[b] / ps) * pages.stride(0) + (slots[b] % ps) * pages.stride(1);
+    for (int64_t h = 0; h < KVH; ++h) {
+      const S* s = sp + b * src.stride(0) + h * src.stride(1);
+      P* d = row + h * pages.stride(2);
+      for (int64_t i = 0; i < D; ++i) d[i] = static_cast<P>(static_cast<float>(s[i]));  // torch's casts
+    }
+  }
+}
+
+template <typename P>
+void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pages, const at::Tensor& v_pages,
+              const int64_t* slots) {
+  if (k.scalar_type() == at::kFloat) {
+    store_rows<P, float>(k, k_pages, slots);
+    store_rows<P, float>(v, v_pages, slots);
+  } else {
+    store_rows<P, c10::BFloat16>(k, k_pages, slots);
+    store_rows<P, c10::BFloat16>(v, v_pages, slots);
+  }
+}
+
+// One decode step's attention for one layer in one call: store the new tokens' k / v [B, KVH, D]
+// at `slots` (int64 [B]) of the pool's pages (cast to the pool dtype, as KVPool.write), then
+// paged_decode of q [B, H, D] over them. q, k, v may be strided views (of a fused q/k/v projection)
+// with a unit head_dim stride, float32 or bfloat16. Returns [B, H * D] in q's dtype. One call
+// instead of ~12 torch ops: with a few rows per step each op's dispatch cost more than its work.
+// Raises (before writing anything) on a slot outside the pool or mismatched shapes.
+at::Tensor store_and_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& k_pages, const at::Tensor& v_pages, const at::Tensor& slots,
+                            const at::Tensor& page_table, const at::Tensor& seq_lens, double scale,
+                            int64_t splits) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
+                  k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.scalar_type() == v.scalar_type(),
+              "store_and_decode: q [B, H, D], k and v [B, KVH, D] expected");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "store_and_decode: q, k and v need a unit head_dim stride");
+  for (const at::Tensor* t : {&q, &k}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16,
+                "store_and_decode: q, k and v must be float32 or bfloat16");
+  }
+  TORCH_CHECK(k_pages.dim() == 4 && k_pages.sizes() == v_pages.sizes() && k_pages.strides() == v_pages.strides() &&
+                  k_pages.scalar_type() == v_pages.scalar_type() && k_pages.size(2) == k.size(1) &&
+                  k_pages.size(3) == k.size(2) && k_pages.stride(3) == 1,
+              "store_and_decode: k_pages and v_pages must be [P, page_size, KVH, D] alike, head_dim contiguous");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous() && slots.device().is_cpu(),
+              "store_and_decode: slots must be contiguous int64 [B]");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t n_slots = k_pages.size(0) * k_pages.size(1);
+  for (int64_t b = 0; b < slots.size(0); ++b) {
+    TORCH_CHECK(sl[b] >= 0 && sl[b] < n_slots, "store_and_decode: slot ", sl[b], " outside the pool");
+  }
+  at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty_like(qf);
+  if (k_pages.scalar_type() == at::kFloat) {
+    store_kv<float>(k, v, k_pages, v_pages, sl);
+  } else if (k_pages.scalar_type() == at::kBFloat16) {
+    store_kv<c10::BFloat16>(k, v, k_pages, v_pages, sl);
+  } else {
+    TORCH_CHECK(false, "store_and_decode: pool dtype must be float32 or bfloat16");
+  }
+  paged_decode(qf, k_pages, v_pages, page_table, seq_lens, scale, out, splits);
+  return out.to(q.scalar_type()).view({q.size(0), q.size(1) * q.size(2)});
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over a KV pool (CPU)");
+  m.def("store_and_decode", &store_and_decode, "store the step's k/v in the pool, then paged_decode (CPU)");
 }
