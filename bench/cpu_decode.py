@@ -12,8 +12,10 @@ packed      + oneDNN weights packed once (``cpu_linear=onednn``)
 paged       + the ``torch_paged`` page-level decode gather
 cpu_paged   + the C++ paged decode kernel reading the pool in place (``cpu_paged``;
             ``bench/cpu_attention.py`` times it alone)
-small_gemm  + the small-M GEMM kernel for the decode GEMMs (``cpu_linear=packed``: the default
-            configuration once ``make kernels`` built both kernels)
+small_gemm  + the small-M GEMM kernel for the decode GEMMs (``cpu_linear=packed``), the
+            norms, RoPE and SiLU·mul still torch ops
+glue        + the ``decode_glue`` kernel between the GEMMs (``engine/torch_fused_ops.py``): the
+            default configuration once ``make kernels`` built the kernels
 bf16        the default configuration with ``dtype=bfloat16`` (weights and KV): the small-M kernel
             on bf16 weights up to ``BF16_SMALL_ROWS`` rows, oneDNN's native bf16 GEMMs (AMX /
             AVX512-BF16) above; not run by default, name it in ``--variants``; its greedy tokens
@@ -49,11 +51,12 @@ from bench.results_file import print_result
 
 VARIANTS = {
     "baseline": dict(fused_ops=False, cpu_linear="torch", attention_backend="torch"),
-    "fused": dict(fused_ops=True, cpu_linear="torch", attention_backend="torch"),
-    "packed": dict(fused_ops=True, cpu_linear="onednn", attention_backend="torch"),
-    "paged": dict(fused_ops=True, cpu_linear="onednn", attention_backend="torch_paged"),
-    "cpu_paged": dict(fused_ops=True, cpu_linear="onednn", attention_backend="cpu_paged"),
-    "small_gemm": dict(fused_ops=True, cpu_linear="packed", attention_backend="cpu_paged"),
+    "fused": dict(fused_ops=True, cpu_linear="torch", attention_backend="torch", glue=False),
+    "packed": dict(fused_ops=True, cpu_linear="onednn", attention_backend="torch", glue=False),
+    "paged": dict(fused_ops=True, cpu_linear="onednn", attention_backend="torch_paged", glue=False),
+    "cpu_paged": dict(fused_ops=True, cpu_linear="onednn", attention_backend="cpu_paged", glue=False),
+    "small_gemm": dict(fused_ops=True, cpu_linear="packed", attention_backend="cpu_paged", glue=False),
+    "glue": dict(fused_ops=True, cpu_linear="packed", attention_backend="cpu_paged"),
     "bf16": dict(fused_ops=True, cpu_linear="packed", attention_backend="cpu_paged", dtype="bfloat16"),
 }
 DEFAULT_VARIANTS = [n for n in VARIANTS if n != "bf16"]
@@ -166,9 +169,15 @@ def main(argv=None) -> int:
     bw = {t: copy_bandwidth(t) for t in (1, 2)}
     torch.set_num_threads(args.threads)
     pages = max(batches) * (-(-(max(contexts) + 1) // 16)) + 8
-    runners = {n: ModelRunner(EngineConfig(model=args.model, page_size=16, num_pages=pages,
-                                           max_running_requests=max(batches), max_context=max(contexts) + 16,
-                                           torch_threads=args.threads, **VARIANTS[n])) for n in names}
+    runners = {}
+    for n in names:
+        cfg = dict(VARIANTS[n])
+        glue = cfg.pop("glue", True)  # not an engine option: the bench turns the kernel off on the model
+        runners[n] = ModelRunner(EngineConfig(model=args.model, page_size=16, num_pages=pages,
+                                              max_running_requests=max(batches), max_context=max(contexts) + 16,
+                                              torch_threads=args.threads, **cfg))
+        if not glue and runners[n].model._fused is not None:
+            runners[n].model._fused.glue = None
     r0 = next(iter(runners.values()))
     mc = r0.model_config
     wbytes = {n: weight_bytes(r.model) for n, r in runners.items()}
