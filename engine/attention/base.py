@@ -26,6 +26,19 @@ class AttentionBackend(abc.ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim**-0.5
+        self._loc_batch: ForwardBatch | None = None
+        self._loc: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def store_kv(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``KVPool.write`` of this layer's new K/V at ``batch.out_cache_loc``, the slots' (page,
+        offset) computed once per forward instead of once per layer (on a GPU: two kernels fewer per
+        layer). Recomputed at layer 0 even for the same batch object: the CUDA-graph runner runs one
+        static batch through warm-ups and then the capture, and the capture must record the
+        computation, not reuse tensors computed before it."""
+        if layer == 0 or self._loc_batch is not batch:
+            self._loc = self.kv_pool.locate(batch.out_cache_loc)
+            self._loc_batch = batch
+        self.kv_pool.write(layer, batch.out_cache_loc, k, v, self._loc)
 
     @abc.abstractmethod
     def init_forward(self, batch: ForwardBatch) -> None:

@@ -229,7 +229,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._wrapper = wrapper
 
     def forward(self, q, k, v, layer, batch):
-        self.kv_pool.write(layer, batch.out_cache_loc, k, v)
+        self.store_kv(layer, batch, k, v)
         if self._wrapper is self.ragged_wrapper:
             q = q.contiguous()
             dt = self.kv_pool.dtype

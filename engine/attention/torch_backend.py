@@ -40,7 +40,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer, batch):
         pool = self.kv_pool
-        pool.write(layer, batch.out_cache_loc, k, v)
+        self.store_kv(layer, batch, k, v)
         H, D = self.num_heads, self.head_dim
         if batch.mode is ForwardMode.DECODE:
             kk, vv = pool.read(layer, self._idx)  # [B, L, kvh, D]

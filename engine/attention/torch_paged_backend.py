@@ -67,7 +67,7 @@ class TorchPagedAttentionBackend(TorchAttentionBackend):
         if batch.mode is not ForwardMode.DECODE:
             return super().forward(q, k, v, layer, batch)
         pool = self.kv_pool
-        pool.write(layer, batch.out_cache_loc, k, v)
+        self.store_kv(layer, batch, k, v)
         L, n = self._len, self._pages.numel()
         kb, vb = self._gather[0][:n], self._gather[1][:n]
         torch.index_select(pool.k_pages(layer), 0, self._pages, out=kb)

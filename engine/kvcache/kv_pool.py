@@ -148,10 +148,16 @@ class KVPool:
             out += [k, v]
         return out
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset in page) of each slot (int64 tensors shaped like ``slots``): what
+        :meth:`write` indexes with, computable once for all layers of a forward."""
+        return slots // self.page_size, slots % self.page_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              loc: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Store new tokens' K/V (``[N, num_kv_heads, head_dim]``, cast to the pool dtype) at ``slots``
-        (int64 [N], on the pool's device)."""
-        page, off = slots // self.page_size, slots % self.page_size
+        (int64 [N], on the pool's device); ``loc``: ``locate(slots)`` when the caller has it."""
+        page, off = loc if loc is not None else self.locate(slots)
         self.k_buffers[layer][page, off] = k.to(self.dtype)
         self.v_buffers[layer][page, off] = v.to(self.dtype)
 
