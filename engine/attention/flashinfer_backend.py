@@ -241,5 +241,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 o_pre, lse_pre = self.prefill_wrapper.run(q, self.kv_cache[layer], return_lse=True)
                 self._fi.merge_state_in_place(o, lse, o_pre, lse_pre)
             return o.reshape(q.shape[0], self.num_heads * self.head_dim)
-        o = self._wrapper.run(q.contiguous(), self.kv_cache[layer])
+        # q may be a strided view of the fused q/k/v row: the decode kernels take its row and head
+        # strides (flashinfer's q_stride_n / q_stride_h), so no copy kernel per layer
+        o = self._wrapper.run(q if q.stride(-1) == 1 else q.contiguous(), self.kv_cache[layer])
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)
