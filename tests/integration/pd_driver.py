@@ -62,12 +62,17 @@ def sampling(max_tokens: int = 8, **kw) -> common_pb2.SamplingParams:
 
 
 class PDDriver:
-    """Drives requests through one P and one D over gRPC (channels are reused)."""
+    """Drives requests through one P and one D over gRPC (channels are reused).
 
-    def __init__(self, prefill_addr: str, decode_addr: str, timeout_s: float = 120.0):
+    ``prefill_worker_id``: P's worker id, sent in every DecodeRequest as the router sends it; with
+    it D can prove P's death (and free the pages P might write) before P answered SetDestination,
+    without it only P's answer or the fence deadline (minutes) releases them."""
+
+    def __init__(self, prefill_addr: str, decode_addr: str, timeout_s: float = 120.0, prefill_worker_id: str = ""):
         self.prefill_addr = prefill_addr
         self.decode_addr = decode_addr
         self.timeout_s = timeout_s
+        self.prefill_worker_id = prefill_worker_id
         self._p_chan = grpc.insecure_channel(prefill_addr)
         self._d_chan = grpc.insecure_channel(decode_addr)
         self.prefill = prefill_pb2_grpc.PrefillStub(self._p_chan)
@@ -88,7 +93,8 @@ class PDDriver:
         call = PDCall(self, request_id, room)
         if send_decode:
             dreq = decode_pb2.DecodeRequest(request_id=request_id, room=room, input_ids=list(input_ids),
-                                            sampling=params, prefill_address=self.prefill_addr)
+                                            sampling=params, prefill_address=self.prefill_addr,
+                                            prefill_worker_id=self.prefill_worker_id)
             call._stream = self.decode.Generate(dreq, timeout=self.timeout_s)
         if send_prefill:
             preq = prefill_pb2.PrefillRequest(request_id=request_id, room=room,

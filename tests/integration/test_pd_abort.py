@@ -140,8 +140,11 @@ def _run_while(drv, n, max_tokens=24):
 
 
 def test_prefill_killed_mid_transfer(tmp_path):
+    """P is SIGKILLed mid-transfer. D learns P's worker id from the request (as from the router), so
+    a room whose SetDestination P never answered is released on P's proven death, not at the fence
+    deadline minutes later."""
     with start_stack(tmp_path) as st:
-        drv = PDDriver(st.prefill_addr, st.decode_addr, timeout_s=60)
+        drv = PDDriver(st.prefill_addr, st.decode_addr, timeout_s=60, prefill_worker_id="prefill-0")
         results, threads = _run_while(drv, 6)
         wait_until(lambda: get_load(st.prefill_addr, "prefill").running_requests
                    + get_load(st.prefill_addr, "prefill").transferring_requests >= 1, every=0.01)
@@ -158,7 +161,7 @@ def test_prefill_killed_mid_transfer(tmp_path):
         # D survives: a new P serves through it, and D's pages all came back
         p2 = start_worker("prefill", st.registry.address, st.log_dir, "prefill-1")
         st.procs.append(p2)
-        drv2 = PDDriver(p2.address, st.decode_addr)
+        drv2 = PDDriver(p2.address, st.decode_addr, prefill_worker_id="prefill-1")
         assert drv2.generate(prompt(200), 4).ok
         assert_idle_accounting([("prefill", p2.address), ("decode", st.decode_addr)])
 
