@@ -114,7 +114,15 @@ def glue_kernel(model):
         return None
     if any(layer.self_attn.q_norm is not None for layer in model.model.layers):
         return None
-    return DECODE_GLUE.load()[0]
+    mod, why = DECODE_GLUE.load()
+    global _said_why
+    if mod is None and not _said_why:
+        _said_why = True
+        log.info("decode glue kernel not used (%s): norms, RoPE and SiLU·mul run as torch ops", why)
+    return mod
+
+
+_said_why = False  # the missing glue kernel is logged once per process
 
 
 def _pack_out(lin, impl: CpuLinear):

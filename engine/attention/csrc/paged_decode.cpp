@@ -375,7 +375,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_page
 // paged_decode of q [B, H, D] over them. q, k, v may be strided views (of a fused q/k/v projection)
 // with a unit head_dim stride, float32 or bfloat16. Returns [B, H * D] in q's dtype. One call
 // instead of ~12 torch ops: with a few rows per step each op's dispatch cost more than its work.
-// Raises (before writing anything) on a slot outside the pool or mismatched shapes.
+// Raises before writing anything on a slot outside the pool or on q / k / v / pool shapes that do
+// not fit; paged_decode's own checks (page table, lengths) run after the store.
 at::Tensor store_and_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& k_pages, const at::Tensor& v_pages, const at::Tensor& slots,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, double scale,
