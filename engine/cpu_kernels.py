@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import platform
 import sys
@@ -82,6 +83,7 @@ class CpuKernel:
         self.source = source
         self.extra_cflags = list(extra_cflags)
         self._loaded: tuple[ModuleType | None, str] | None = None
+        self._said_why = False
 
     def cflags(self) -> list[str]:
         return cflags() + self.extra_cflags
@@ -145,6 +147,15 @@ class CpuKernel:
             return self._loaded
         self._loaded = (mod, "")
         return self._loaded
+
+    def load_or_say_why(self, log: logging.Logger, instead: str) -> ModuleType | None:
+        """:meth:`load`'s module, or None after logging (once per process) ``"<instead>: <why>"``,
+        ``instead`` saying what runs in the kernel's place."""
+        mod, why = self.load()
+        if mod is None and not self._said_why:
+            self._said_why = True
+            log.info("%s: %s", instead, why)
+        return mod
 
 
 _HERE = Path(__file__).parent

@@ -114,15 +114,7 @@ def glue_kernel(model):
         return None
     if any(layer.self_attn.q_norm is not None for layer in model.model.layers):
         return None
-    mod, why = DECODE_GLUE.load()
-    global _said_why
-    if mod is None and not _said_why:
-        _said_why = True
-        log.info("decode glue kernel not used (%s): norms, RoPE and SiLU·mul run as torch ops", why)
-    return mod
-
-
-_said_why = False  # the missing glue kernel is logged once per process
+    return DECODE_GLUE.load_or_say_why(log, "decode glue kernel not used, norms, RoPE and SiLU·mul run as torch ops")
 
 
 def _pack_out(lin, impl: CpuLinear):

@@ -57,17 +57,11 @@ SMALL_ROWS = 64  # the kernel's row limit (MAX_M in small_gemm.cpp), and where o
 # GEMM (AMX) does not: on the Xeon box a SmolLM2 decode step (ctx 200) was faster on the kernel up to
 # B=8 (2 threads: B=1 23.9 vs 26.5 ms, B=8 29.4 vs 30.2) and slower from B=12 (37.8 vs 34.6)
 BF16_SMALL_ROWS = 8
-_said_why = False
 
 
 def small_gemm_kernel():
     """The built small-M kernel module, or None (the reason logged once per process)."""
-    global _said_why
-    mod, why = SMALL_GEMM.load()
-    if mod is None and not _said_why:
-        _said_why = True
-        log.info("cpu_linear: decode GEMMs on oneDNN, not the small-M kernel: %s", why)
-    return mod
+    return SMALL_GEMM.load_or_say_why(log, "cpu_linear: decode GEMMs on oneDNN, not the small-M kernel")
 
 
 class CpuLinear(enum.Enum):
