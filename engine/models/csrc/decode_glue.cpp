@@ -73,8 +73,8 @@ void rope_impl(T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t r
   });
 }
 
-// out[r, i] = silu(g[r, i]) * u[r, i], g = gate_up[r, :I], u = gate_up[r, I:]; silu rounded to T first
-// out = silu * up in place of silu [rows, I]; up rows at gu + I with row stride 2I
+// silu [rows, I] (torch's silu of gate_up[:, :I], rounded to T) *= up = gate_up[:, I:], in place;
+// up rows start at gu + I with row stride 2I
 template <typename T>
 void mul_up_impl(T* silu, const T* gu, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, grain_rows(inter), [&](int64_t r0, int64_t r1) {
