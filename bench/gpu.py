@@ -11,6 +11,8 @@ Sections (each adds one key to the JSON; each is a module, see its docstring):
   decode        bench/gpu_decode.py: 8B dummy weights, batch x context grid of step times vs the
                 floor (weight bytes + KV bytes read) / copy bandwidth
   prefill       bench/gpu_prefill.py: one long prompt, whole and chunked, vs the floor FLOPs / GEMM rate
+  prefill_parts bench/gpu_prefill_parts.py: the 8k pass's idle gaps, the fused RoPE + K/V store and
+                strided ragged attention alone, the pass with the fused store on and off
   profile       bench/gpu_profile.py: GPU time of an eager decode step by kernel
   host_profile  bench/gpu_profile.py: host time of a graph decode step by function
   attn_micro    bench/gpu_attention.py: flashinfer paged decode attention alone
@@ -34,12 +36,13 @@ from bench.gpu_ceilings import COPY_BW_DEFAULT, GEMM_DEFAULT, ceilings
 from bench.gpu_correctness import backend_vs_torch, correctness, model_vs_transformers
 from bench.gpu_decode import decode
 from bench.gpu_prefill import prefill
+from bench.gpu_prefill_parts import prefill_parts
 from bench.gpu_profile import host_profile, profile
 
 __all__ = ["backend_vs_torch", "main", "model_vs_transformers", "table"]
 
 SECTIONS = {"ceilings": ceilings, "correctness": correctness, "decode": decode, "prefill": prefill,
-            "profile": profile, "host_profile": host_profile, "attn_micro": attn_micro}
+            "prefill_parts": prefill_parts, "profile": profile, "host_profile": host_profile, "attn_micro": attn_micro}
 
 
 def main(argv=None) -> int:
@@ -77,7 +80,7 @@ def main(argv=None) -> int:
 
             res[sec] = getattr(gpu_transfer, sec)(args)
         else:
-            if sec in ("decode", "prefill"):
+            if sec in ("decode", "prefill", "prefill_parts"):
                 c = res.get("ceilings", {})
                 args.copy_bw = args.copy_bw or COPY_BW_DEFAULT
                 args.gemm_rate = args.gemm_rate or GEMM_DEFAULT

@@ -9,6 +9,10 @@
 * RoPE -> ``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace`` on the q/k views of the fused
   projection output, with a float32 cos/sin table built from the model's own ``inv_freq``
   (llama3 / linear scaling included), so frequencies equal the torch path's;
+* with an attention backend that has ``attend`` (flashinfer), RoPE and the new K/V's store in the
+  pool -> one Triton kernel per layer (:func:`engine.kvcache.rope_kv_store.rope_kv_store`; three
+  kernels before); env ``HALFMOON_FUSED_ROPE_STORE=0``, or no Triton, keeps flashinfer's RoPE and
+  ``KVPool.write``;
 * SiLU(gate) * up -> ``flashinfer.activation.silu_and_mul``;
 * each residual add and the RMSNorm after it -> ``flashinfer.norm.fused_add_rmsnorm`` (one kernel,
   in place), the layers passing ``(hidden, residual)`` to each other as in sglang's Llama.
@@ -24,8 +28,13 @@ Design after sglang's ``LlamaForCausalLM`` (merged qkv / gate_up projections, fl
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 import torch.nn.functional as F
+
+from engine.kvcache.rope_kv_store import rope_kv_store
 
 
 def fused_ops_supported(model) -> bool:
@@ -54,6 +63,9 @@ class FusedOps:
         t = torch.arange(max_positions, dtype=torch.float32, device=dev)
         freqs = torch.outer(t, inv)  # [max_positions, head_dim // 2]
         self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), -1).contiguous()  # float32 [P, head_dim]
+        # RoPE + K/V store in one kernel (see the module docstring); read once, at enable time
+        self.rope_store = (os.environ.get("HALFMOON_FUSED_ROPE_STORE", "1") != "0"
+                           and importlib.util.find_spec("triton") is not None)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape
@@ -77,6 +89,11 @@ class FusedOps:
         if attn.q_norm is not None:  # Qwen3: per-head norm before RoPE (new tensors)
             q = self.rms_norm(q.reshape(T, H, D), attn.q_norm.weight, attn.q_norm.eps).view(T, H * D)
             k = self.rms_norm(k.reshape(T, KVH, D), attn.k_norm.weight, attn.k_norm.eps).view(T, KVH * D)
+        if self.rope_store and backend.has_attend:
+            pool = backend.kv_pool
+            rope_kv_store(q, k, v, batch.positions, self.cos_sin_cache, batch.out_cache_loc,
+                          pool.k_pages(attn.layer), pool.v_pages(attn.layer))
+            return backend.attend(q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D), attn.layer, batch)
         self.rope_(batch.positions, q, k)
         return backend.forward(q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D), attn.layer, batch)
 

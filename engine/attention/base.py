@@ -40,6 +40,17 @@ class AttentionBackend(abc.ABC):
             self._loc_batch = batch
         self.kv_pool.write(layer, batch.out_cache_loc, k, v, self._loc)
 
+    #: True when the backend has :meth:`attend` (attention over K/V the caller stored itself).
+    has_attend = False
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+               batch: ForwardBatch) -> torch.Tensor:
+        """:meth:`forward` without the K/V store, for a caller that has already written this layer's
+        new K/V at ``batch.out_cache_loc`` (engine.fused_ops stores them with RoPE in one kernel).
+        Shapes as :meth:`forward`. Raises NotImplementedError where ``has_attend`` is False: those
+        backends store inside their attention call."""
+        raise NotImplementedError(f"{type(self).__name__} stores K/V inside forward; it has no attend")
+
     @abc.abstractmethod
     def init_forward(self, batch: ForwardBatch) -> None:
         """Precompute what all layers share for this batch (gather indices, masks, ...)."""

@@ -19,8 +19,9 @@ valid because the allocator hands out whole pages filled in order (engine/kvcach
   :class:`engine.cuda_graph_runner.CudaGraphRunner`
   builds its own graph-mode decode wrappers and calls :meth:`plan_decode` before each replay.
 
-New K/V are stored first (``KVPool.write``: one index_put per K and V), then attention reads the
-pool. ``plan`` happens once per batch in :meth:`init_forward` from host-side lengths
+New K/V are stored first, then attention reads the pool: :meth:`forward` stores them
+(``KVPool.write``), :meth:`attend` is for a caller that stored them itself (the fused RoPE + K/V store
+of engine.fused_ops, one kernel per layer). ``plan`` happens once per batch in :meth:`init_forward` from host-side lengths
 (``ForwardBatch.seq_lens_cpu``); the page indices themselves are gathered on the device. Every plan
 goes through a :class:`PlanFence`: flashinfer stages each plan's schedule in one pinned host buffer
 per wrapper, so a wrapper is not re-planned before the device has copied its previous schedule.
@@ -228,12 +229,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Use an already planned wrapper for the next forward (the cuda-graph runner's)."""
         self._wrapper = wrapper
 
+    has_attend = True
+
     def forward(self, q, k, v, layer, batch):
         self.store_kv(layer, batch, k, v)
+        return self.attend(q, k, v, layer, batch)
+
+    def attend(self, q, k, v, layer, batch):
+        # q, k, v may be row-strided views of the fused q/k/v projection: flashinfer's kernels (decode,
+        # fa2 and fa3 prefill, ragged or paged) take each tensor's row and head strides, so the only
+        # copy made is of a tensor whose last dim is not contiguous
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         if self._wrapper is self.ragged_wrapper:
-            q = q.contiguous()
             dt = self.kv_pool.dtype
-            k, v = k.to(dt).contiguous(), v.to(dt).contiguous()
+            k, v = k.to(dt), v.to(dt)
             if not self._with_prefix:
                 o = self.ragged_wrapper.run(q, k, v)
             else:
@@ -241,7 +250,5 @@ class FlashInferAttentionBackend(AttentionBackend):
                 o_pre, lse_pre = self.prefill_wrapper.run(q, self.kv_cache[layer], return_lse=True)
                 self._fi.merge_state_in_place(o, lse, o_pre, lse_pre)
             return o.reshape(q.shape[0], self.num_heads * self.head_dim)
-        # q may be a strided view of the fused q/k/v row: the decode kernels take its row and head
-        # strides (flashinfer's q_stride_n / q_stride_h), so no copy kernel per layer
-        o = self._wrapper.run(q if q.stride(-1) == 1 else q.contiguous(), self.kv_cache[layer])
+        o = self._wrapper.run(q, self.kv_cache[layer])
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)
