@@ -13,6 +13,7 @@ its FLOP floor, beyond the per-kernel totals the ``prefill`` section prints.
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -36,7 +37,8 @@ def _timeline(prof, t_call_us: float) -> dict:
             cur_e, last = e, name
     busy += cur_e - cur_s
     gaps.sort(key=lambda g: -g[0])
-    return {"kernels": len(ks), "span_ms": (ks[-1][1] - ks[0][0]) / 1e3, "busy_ms": busy / 1e3,
+    return {"first_kernels_ms": [[round((s - t_call_us) / 1e3, 3), n] for s, _, n in ks[:3]],
+            "last_kernel_end_ms": (max(e for _, e, _ in ks) - t_call_us) / 1e3, "kernels": len(ks), "span_ms": (ks[-1][1] - ks[0][0]) / 1e3, "busy_ms": busy / 1e3,
             "idle_ms": sum(g[0] for g in gaps) / 1e3, "call_to_first_kernel_ms": (ks[0][0] - t_call_us) / 1e3,
             "top_gaps_us": [[round(g, 1), a, b] for g, a, b in gaps[:10]]}
 
@@ -70,6 +72,19 @@ def prefill_parts(args) -> dict:
     t_call = min(ev.time_range.start for ev in prof.events() if ev.name == "halfmoon.forward")
     out["timeline"] = _timeline(prof, t_call)
     out["timeline"]["event_ms"] = statistics.median(events_ms(lambda: runner.forward(batch), 5, warmup=1))
+    host = []
+    for _ in range(3):  # host time to launch the whole pass, the device idle at the call
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        runner.forward(batch)
+        host.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    out["timeline"]["host_launch_ms"] = statistics.median(host)
+    gpu_pass = []
+    for _ in range(3):  # one pass after 1 s idle: the clock a single pass gets vs back-to-back passes
+        time.sleep(1.0)
+        gpu_pass.append(events_ms(lambda: runner.forward(batch), 1, warmup=0)[0])
+    out["timeline"]["after_idle_event_ms"] = gpu_pass
     print(f"prefill_parts timeline: {out['timeline']}", flush=True)
 
     # layer-0 ops at the pass's shape
@@ -92,6 +107,18 @@ def prefill_parts(args) -> dict:
         ops[name + "_ms"] = statistics.median(events_ms(fn, args.iters, warmup=3))
     qs, ks_, vs = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
     copies = lambda: (qs.contiguous(), ks_.contiguous(), vs.contiguous())  # noqa: E731
+    for nw in (2, 8):
+        ops[f"rope_kv_store_warps{nw}_ms"] = statistics.median(events_ms(
+            lambda: rope_kv_store(q, k, v, pos, fused.cos_sin_cache, loc, pool.k_pages(0), pool.v_pages(0),
+                                  num_warps=nw), args.iters, warmup=3))
+    for n in (1, 32, 128):  # decode batch sizes: the same ops on the first n tokens
+        qn, kn, vn, pn, ln = q[:n], k[:n], v[:n], pos[:n], loc[:n]
+        ops[f"T{n}_rope_then_kvpool_write_ms"] = statistics.median(events_ms(
+            lambda: (fused.rope_(pn, qn, kn), pool.write(0, ln, kn.view(n, KVH, D), vn.view(n, KVH, D))),
+            args.iters, warmup=3))
+        ops[f"T{n}_rope_kv_store_ms"] = statistics.median(events_ms(
+            lambda: rope_kv_store(qn, kn, vn, pn, fused.cos_sin_cache, ln, pool.k_pages(0), pool.v_pages(0)),
+            args.iters, warmup=3))
     ops["qkv_copies_ms"] = statistics.median(events_ms(copies, args.iters, warmup=3))
     qc, kc, vc = copies()
     ops["ragged_strided_ms"] = statistics.median(events_ms(lambda: be.ragged_wrapper.run(qs, ks_, vs), args.iters))

@@ -36,23 +36,32 @@ import bisect
 
 import torch
 
+from engine.attention.base import AttentionBackend
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend, page_counts
 from engine.forward_batch import ForwardBatch, ForwardMode
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
-class _Planned:
-    """The backend with ``init_forward`` skipped: the graph runner planned the wrapper already."""
+class _Planned(AttentionBackend):
+    """The backend with ``init_forward`` skipped: the graph runner planned the wrapper already.
+    Everything else (``forward``, ``attend``, ``has_attend``, the pools) is the backend's own, so the
+    model sees the same backend interface inside and outside a graph."""
 
     def __init__(self, backend: FlashInferAttentionBackend, wrapper):
+        super().__init__(backend.kv_pool, backend.req_to_token_pool, backend.num_heads, backend.num_kv_heads,
+                         backend.head_dim, backend.scale)
         self.backend, self.wrapper = backend, wrapper
+        self.has_attend = backend.has_attend
 
     def init_forward(self, batch) -> None:
         self.backend.set_wrapper(self.wrapper)
 
     def forward(self, q, k, v, layer, batch):
         return self.backend.forward(q, k, v, layer, batch)
+
+    def attend(self, q, k, v, layer, batch):
+        return self.backend.attend(q, k, v, layer, batch)
 
 
 class CudaGraphRunner:

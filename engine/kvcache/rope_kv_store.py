@@ -81,7 +81,7 @@ def _build():
 
 def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor, slots: torch.Tensor, k_pages: torch.Tensor,
-                  v_pages: torch.Tensor) -> None:
+                  v_pages: torch.Tensor, num_warps: int = 4) -> None:
     """Rotate q and k in place (NeoX RoPE) and store the rotated k and v at ``slots``.
 
     q: [T, H * head_dim], k and v: [T, KVH * head_dim], each with unit stride along its last dim
@@ -90,6 +90,7 @@ def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     [T], the new tokens' pool slots (``out_cache_loc``); k_pages, v_pages: one layer's pool views
     ``[num_pages, page_size, KVH, head_dim]`` (``KVPool.k_pages``/``v_pages``; page stride free, the
     rest contiguous), one pool dtype. ``head_dim`` is ``k_pages.shape[-1]`` (even, a power of two).
+    ``num_warps``: Triton warps per program (bench.gpu prefill_parts times the choices).
 
     Raises ValueError on mismatched shapes, dtypes, devices or strides, before anything is written.
     """
@@ -127,4 +128,4 @@ def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     grid = (T, (h + 2 * kvh) // bh)
     _KERNEL[grid](q, k, v, positions, slots, cos_sin_cache, k_pages, v_pages, q.stride(0), k.stride(0),
                   v.stride(0), cos_sin_cache.stride(0), k_pages.stride(0), k_pages.stride(1),
-                  H=h, KVH=kvh, D=d, PS=ps, BH=bh)
+                  H=h, KVH=kvh, D=d, PS=ps, BH=bh, num_warps=num_warps)

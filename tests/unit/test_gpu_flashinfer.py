@@ -81,6 +81,38 @@ def test_graph_page_ids_match_page_table():
     assert gr.indices[n:n + b - B].tolist() == [int(r2t.req_to_token[0, 0]) // ps] * (b - B)
 
 
+def test_graph_runners_planned_backend_offers_the_backends_interface():
+    # the model calls the same backend methods inside a captured graph as outside it (FusedOps checks
+    # has_attend and reads kv_pool): the graph runner's wrapper must pass them through
+    from engine.attention.torch_paged_backend import TorchPagedAttentionBackend
+    from engine.cuda_graph_runner import _Planned
+
+    calls = []
+
+    class Attending(TorchPagedAttentionBackend):
+        has_attend = True
+
+        def attend(self, q, k, v, layer, batch):
+            calls.append(("attend", layer))
+            return q
+
+        def set_wrapper(self, wrapper):
+            calls.append(("set_wrapper", wrapper))
+
+    pool = KVPool(4, 4, 1, 2, 8, torch.float32, "cpu")
+    be = Attending(pool, ReqToTokenPool(2, 16), 2, 2, 8)
+    p = _Planned(be, "w")
+    assert p.has_attend and p.kv_pool is pool and p.num_heads == 2
+    q = torch.zeros(1, 2, 8)
+    p.init_forward(None)
+    assert p.attend(q, q, q, 0, None) is q
+    assert calls == [("set_wrapper", "w"), ("attend", 0)]
+    plain = _Planned(TorchPagedAttentionBackend(pool, ReqToTokenPool(2, 16), 2, 2, 8), "w")
+    assert not plain.has_attend
+    with pytest.raises(NotImplementedError):
+        plain.attend(q, q, q, 0, None)
+
+
 def test_auto_backend_is_never_flashinfer_on_cpu_or_fp32():
     """flashinfer only for CUDA half types: CPU takes the CPU kernel when it is built (else
     torch_paged, tests/unit/test_attention_cpu_paged.py), a float32 CUDA pool torch_paged."""
