@@ -14,6 +14,7 @@ Sections (each adds one key to the JSON; each is a module, see its docstring):
   prefill_parts bench/gpu_prefill_parts.py: the 8k pass's idle gaps, the fused RoPE + K/V store and
                 strided ragged attention alone, the pass with the fused store on and off
   profile       bench/gpu_profile.py: GPU time of an eager decode step by kernel
+  graph_profile bench/gpu_profile.py: kernels and idle time of CUDA-graph decode replays
   host_profile  bench/gpu_profile.py: host time of a graph decode step by function
   attn_micro    bench/gpu_attention.py: flashinfer paged decode attention alone
   transfer, pd  bench/gpu_transfer.py: KV transfer GPU0 -> GPU1 and P/D on two GPUs
@@ -37,12 +38,12 @@ from bench.gpu_correctness import backend_vs_torch, correctness, model_vs_transf
 from bench.gpu_decode import decode
 from bench.gpu_prefill import prefill
 from bench.gpu_prefill_parts import prefill_parts
-from bench.gpu_profile import host_profile, profile
+from bench.gpu_profile import graph_profile, host_profile, profile
 
 __all__ = ["backend_vs_torch", "main", "model_vs_transformers", "table"]
 
 SECTIONS = {"ceilings": ceilings, "correctness": correctness, "decode": decode, "prefill": prefill,
-            "prefill_parts": prefill_parts, "profile": profile, "host_profile": host_profile, "attn_micro": attn_micro}
+            "prefill_parts": prefill_parts, "profile": profile, "graph_profile": graph_profile, "host_profile": host_profile, "attn_micro": attn_micro}
 
 
 def main(argv=None) -> int:

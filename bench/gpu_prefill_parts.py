@@ -18,14 +18,13 @@ import time
 import torch
 
 from bench.gpu_runner import PAGE_SIZE, build_runner
-from bench.gpu_timing import events_ms
+from bench.gpu_timing import events_ms, kernel_intervals
 
 
 def _timeline(prof, t_call_us: float) -> dict:
     """Busy/idle split of the profiled pass (see the module docstring); ``t_call_us``: the host
     timestamp (profiler clock) of the forward call."""
-    ks = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
-                if ev.device_type.name == "CUDA")
+    ks = kernel_intervals(prof)
     busy, gaps = 0.0, []
     cur_s, cur_e, last = ks[0]
     for s, e, name in ks[1:]:  # merge overlapping intervals; a hole between merged runs is a gap

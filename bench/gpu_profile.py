@@ -5,6 +5,8 @@
                 every step leaves the GPU idle
   profile       per-kernel GPU time of one eager decode step (torch.profiler), grouped by kernel
                 name, at B=1 and B=128 (context 1024): which kernels keep a step from the floor
+  graph_profile the same for CUDA-graph replays (what serving runs) at B=1 and B=32 (context 1024),
+                with the idle time between the graph's kernels
 """
 
 from __future__ import annotations
@@ -87,3 +89,46 @@ def profile(args) -> dict:
     return out
 
 
+
+
+def graph_profile(args) -> dict:
+    """Kernels of CUDA-graph decode replays by name, and the idle time between them (module docstring)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    from bench.gpu_timing import kernel_intervals, merged_busy_us
+
+    batches, C = [1, 32], 1024
+    runner, _ = build_runner(args, max(batches), C + PAGE_SIZE, max(batches) * (C // PAGE_SIZE + 2) + 8)
+    for buf in runner.kv_pool.buffers():
+        buf.normal_()
+    rows, slots = decode_rows(runner, max(batches), C)
+    out = {}
+    for B in batches:
+        batch = decode_batch(rows, slots, C, [1] * B)
+        gr = runner.graph_runner
+        runner.forward(batch)  # plans and fills the bucket's inputs
+        replay = gr.graphs[gr.bucket_for(B)].replay
+        for _ in range(5):
+            replay()
+        torch.cuda.synchronize()
+        steps = 10
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                replay()
+            torch.cuda.synchronize()
+        ks = kernel_intervals(prof)
+        span_us = ks[-1][1] - ks[0][0]
+        busy_us = merged_busy_us(ks)
+        agg = kernel_times(prof)
+        top = sorted(([k, v[0] / steps, v[1] // steps] for k, v in agg.items()), key=lambda r: -r[1])
+        out[str(B)] = {"kernels_per_step": len(ks) / steps, "span_ms_per_step": span_us / steps / 1e3,
+                       "busy_ms_per_step": busy_us / steps / 1e3, "idle_ms_per_step": (span_us - busy_us) / steps / 1e3,
+                       "top_us_per_step": top[:16]}
+        print(f"graph_profile B={B} ctx={C}: {len(ks) / steps:.0f} kernels/step, span {span_us / steps / 1e3:.3f} ms, "
+              f"busy {busy_us / steps / 1e3:.3f} ms, idle {(span_us - busy_us) / steps / 1e3:.3f} ms per step", flush=True)
+        for k, us, n in top[:16]:
+            print(f"  {us:8.1f} us  x{n:4d}  {k}", flush=True)
+    del runner
+    torch.cuda.empty_cache()
+    return out

@@ -31,3 +31,21 @@ def kernel_times(prof) -> dict[str, list[float]]:
             a[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             a[1] += 1
     return agg
+
+
+def kernel_intervals(prof) -> list[tuple[float, float, str]]:
+    """CUDA kernels of a profile as (start µs, end µs, name cut to 60 characters), by start."""
+    return sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
+                  if ev.device_type.name == "CUDA")
+
+
+def merged_busy_us(ks: list[tuple[float, float, str]]) -> float:
+    """Device-busy µs of ``kernel_intervals`` (overlapping kernels counted once)."""
+    busy, cur_s, cur_e = 0.0, ks[0][0], ks[0][1]
+    for s, e, _ in ks[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return busy + cur_e - cur_s

@@ -132,7 +132,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     picks FA3 on Hopper, "fa2"; default env HALFMOON_FLASHINFER_RAGGED, else "auto"),
     ``prefill_backend`` (kernels that read pages in extend: "fa2" | "fa3" | "auto"; default env
     HALFMOON_FLASHINFER_PREFILL, else :func:`default_prefill_backend`), ``decode_tensor_cores`` (flashinfer's
-    tensor-core decode, the default; False selects the CUDA-core decode kernel).
+    tensor-core decode, the default; False, or env HALFMOON_FLASHINFER_DECODE_TENSOR_CORES=0, selects the
+    CUDA-core decode kernel).
     Raises ValueError for a CPU pool or a float32 pool (flashinfer kernels take half types).
     """
 
@@ -164,7 +165,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         # Tensor-core decode (flashinfer's prefill kernel with one query row per request) read the KV
         # at 3.1-4.1 TB/s on an H200 against 2.3-2.8 for the CUDA-core kernel (Llama-8B heads, bench/gpu.py
         # attn_micro), and covers every GQA group size (the CUDA-core one lacks 7: Qwen2.5-7B).
-        self.decode_tensor_cores = True if decode_tensor_cores is None else decode_tensor_cores
+        if decode_tensor_cores is None:
+            decode_tensor_cores = os.environ.get("HALFMOON_FLASHINFER_DECODE_TENSOR_CORES", "1") != "0"
+        self.decode_tensor_cores = decode_tensor_cores
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=decode_tensor_cores)
         # per layer (K, V) [P, ps, kvh, head_dim]; page_major: strided views (page stride 2*layers*ps*kvh*hd)
