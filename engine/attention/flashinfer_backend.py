@@ -168,11 +168,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         if decode_tensor_cores is None:
             decode_tensor_cores = os.environ.get("HALFMOON_FLASHINFER_DECODE_TENSOR_CORES", "1") != "0"
         self.decode_tensor_cores = decode_tensor_cores
-        # graph-mode decode wrappers always split each row's KV into chunks and merge the partial
-        # results (flashinfer sizes the grid for the worst case); from this batch size on, a wrapper
-        # reads each row in one piece instead (no merge kernel). 0: flashinfer's split everywhere.
-        self.decode_no_split_from = int(os.environ.get("HALFMOON_FLASHINFER_DECODE_NO_SPLIT_FROM", "0"))
-        self._no_split: set[int] = set()  # ids of the graph wrappers planned with disable_split_kv
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=decode_tensor_cores)
         # per layer (K, V) [P, ps, kvh, head_dim]; page_major: strided views (page stride 2*layers*ps*kvh*hd)
@@ -194,21 +189,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         dev = self.kv_pool.device
         if indptr_buffer is None:
             indptr_buffer = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
-        w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=indptr_buffer,
             paged_kv_indices_buffer=indices_buffer,
             paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=dev))
-        if self.decode_no_split_from and batch_size >= self.decode_no_split_from:
-            self._no_split.add(id(w))
-        return w
 
     def plan_decode(self, wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
         """Plan ``wrapper`` for a decode batch from a :func:`page_table`."""
-        extra = {"disable_split_kv": True} if id(wrapper) in self._no_split else {}
         self.fence.plan(wrapper, indptr, indices, last_page_len, self.num_heads, self.num_kv_heads,
                         self.head_dim, self.kv_pool.page_size, q_data_type=self.kv_pool.dtype, kv_data_type=self.kv_pool.dtype,
-                        sm_scale=self.scale, **extra)
+                        sm_scale=self.scale)
 
     def init_forward(self, batch: ForwardBatch) -> None:
         seq, ext = batch.host_lens()
