@@ -33,6 +33,7 @@ After sglang's ``cuda_graph_runner.py`` (buckets, padding, plan-before-replay) a
 from __future__ import annotations
 
 import bisect
+import os
 
 import torch
 
@@ -151,6 +152,18 @@ class CudaGraphRunner:
         self.indices[: j.numel()].copy_(pages)
 
     def _capture(self, b: int) -> None:
+        # the BLAS library torch calls for the captured GEMMs (env HALFMOON_DECODE_GRAPH_BLAS =
+        # "cublas" | "cublaslt"; unset: torch's default); the choice is baked into the graph
+        lib = os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", "")
+        before = torch.backends.cuda.preferred_blas_library()
+        if lib:
+            torch.backends.cuda.preferred_blas_library(lib)
+        try:
+            self._capture_with_current_blas(b)
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+
+    def _capture_with_current_blas(self, b: int) -> None:
         self.indptr[b] = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
         self.wrappers[b] = self.backend.make_decode_wrapper(b, self.indices, self.indptr[b])
         self._plan(b, None)
