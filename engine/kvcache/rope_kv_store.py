@@ -93,6 +93,8 @@ def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     ``num_warps``: Triton warps per program (bench.gpu prefill_parts times the choices).
 
     Raises ValueError on mismatched shapes, dtypes, devices or strides, before anything is written.
+    Slots are not range-checked (that would need a device sync inside a CUDA graph): they are
+    ``out_cache_loc``, which the allocator hands out inside the pool.
     """
     global _KERNEL
     T = q.shape[0]
