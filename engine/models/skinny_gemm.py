@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_ROWS = 16  # the dot's smallest M tile; more rows go to cuBLAS, which is at copy speed there
+MAX_ROWS = 4  # CUDA-core products: past a few rows the weight tile is reused enough for tensor cores
 _KERNEL = None
 
 
@@ -57,14 +57,14 @@ def _build():
         xp = x + rm[:, None].to(tl.int64) * sxm + rk[None, :]
         acc = tl.full((BM, BN), 0.0, tl.float32)  # not tl.zeros: a jit function the interpreter cannot call here
         for _ in range(0, K, BK):
-            wt = tl.load(wp, mask=nmask[:, None], other=0.0)  # [BN, BK]
+            wt = tl.load(wp, mask=nmask[:, None], other=0.0).to(tl.float32)  # [BN, BK]
             if GLU:
                 g = tl.load(xp, mask=mmask[:, None], other=0.0).to(tl.float32)
                 u = tl.load(xp + K, mask=mmask[:, None], other=0.0).to(tl.float32)
-                a = (g / (1.0 + tl.exp(-g)) * u).to(wt.dtype)
+                a = (g / (1.0 + tl.exp(-g)) * u).to(w.dtype.element_ty).to(tl.float32)
             else:
-                a = tl.load(xp, mask=mmask[:, None], other=0.0)
-            acc += tl.dot(a, tl.trans(wt))
+                a = tl.load(xp, mask=mmask[:, None], other=0.0).to(tl.float32)  # [BM, BK]
+            acc += tl.sum(a[:, None, :] * wt[None, :, :], axis=2)
             wp += BK
             xp += BK
         tl.store(y + rm[:, None] * sym + rn[None, :], acc.to(y.dtype.element_ty),
@@ -102,6 +102,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, glu: bool = False,
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     grid = ((N + cfg.bn - 1) // cfg.bn,)
     _KERNEL[grid](x, weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-                  GLU=glu, BM=MAX_ROWS, BN=cfg.bn, BK=cfg.bk,
+                  GLU=glu, BM=1 if M == 1 else (2 if M == 2 else 4), BN=cfg.bn, BK=cfg.bk,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -15,14 +15,19 @@ import torch.nn.functional as F
 from engine.fused_ops import skinny_setting
 from engine.models import skinny_gemm as sk
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 SMALL = sk.SkinnyConfig(bn=16, bk=32, num_warps=4, num_stages=2)
 
 
 @pytest.fixture
 def interpreted(monkeypatch):
-    """The kernel built for Triton's CPU interpreter, for this test only."""
+    """The kernel built for Triton's CPU interpreter, for this test only. The interpreter needs
+    TRITON_INTERPRET=1 from before triton's import (tests/conftest.py sets it where there is no GPU)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton.language.standard.sum, InterpretedFunction):
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 (a GPU machine)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(sk, "_KERNEL", None)
 
@@ -32,7 +37,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
 @pytest.mark.parametrize("N", [48, 40])  # 40: the last program's columns are partly past N
 def test_matches_linear(interpreted, M, N):
     g = torch.Generator().manual_seed(M * 100 + N)
@@ -42,7 +47,7 @@ def test_matches_linear(interpreted, M, N):
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("M", [1, 3])
 def test_glu_prologue_matches_silu_mul_then_linear(interpreted, M):
     g = torch.Generator().manual_seed(M)
     x, w = torch.randn(M, 2 * 64, generator=g), torch.randn(24, 64, generator=g)
@@ -61,7 +66,7 @@ def test_strided_rows_and_out(interpreted):
 
 
 @pytest.mark.parametrize("x_shape,w_shape,glu,why", [
-    ((17, 64), (16, 64), False, "more rows than MAX_ROWS"),
+    ((5, 64), (16, 64), False, "more rows than MAX_ROWS"),
     ((2, 48), (16, 48), False, "K not a multiple of bk"),
     ((2, 64), (16, 64), True, "glu without the 2K input"),
     ((2, 64), (16, 32), False, "K mismatch"),
@@ -93,7 +98,7 @@ def test_bf16_on_gpu_matches_cublas_within_a_rounding():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for M in (1, 8, 16):
+    for M in (1, 2, 4):
         x = torch.randn(M, 2 * 4096, device="cuda", dtype=torch.bfloat16, generator=g)
         w = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16, generator=g) / 64
         for glu, want in ((False, F.linear(x[:, :4096], w)), (True, F.linear(silu_mul(x), w))):
