@@ -23,7 +23,7 @@ best=$(python3 -c "
 import json; r = json.load(open('$OUT/sweep.json'))['skinny_gemm']
 tot = {}
 for row in r['rows']:
-    if row['M'] == 1 and 'sweep' in row and row['gemm'] != 'gate_up':
+    if row['M'] == 1 and 'sweep' in row and row['gemm'] not in ('gate_up', 'down'):
         for p in row['sweep']:
             k = (p['bn'], p['bk'], p['num_warps'], p['num_stages']); tot.setdefault(k, []).append(p['us'])
 k = min((k for k in tot if len(tot[k]) == 3), key=lambda k: sum(tot[k]))
