@@ -18,7 +18,6 @@ Sections (each adds one key to the JSON; each is a module, see its docstring):
   host_profile  bench/gpu_profile.py: host time of a graph decode step by function
   attn_micro    bench/gpu_attention.py: flashinfer paged decode attention alone
   small_gemm    bench/gpu_small_gemm.py: the decode step's GEMMs alone at M = 1..128, cuBLAS vs cuBLASLt
-  skinny_gemm   bench/gpu_skinny_gemm.py: the decode projections, split-N Triton kernel vs cuBLAS
   transfer, pd  bench/gpu_transfer.py: KV transfer GPU0 -> GPU1 and P/D on two GPUs
 
 Floors are written before the run into bench/results/GPU_NOTES.md; this prints measured / floor.
@@ -41,15 +40,13 @@ from bench.gpu_decode import decode
 from bench.gpu_prefill import prefill
 from bench.gpu_prefill_parts import prefill_parts
 from bench.gpu_profile import graph_profile, host_profile, profile
-from bench.gpu_skinny_gemm import skinny
 from bench.gpu_small_gemm import small_gemm
 
 __all__ = ["backend_vs_torch", "main", "model_vs_transformers", "table"]
 
 SECTIONS = {"ceilings": ceilings, "correctness": correctness, "decode": decode, "prefill": prefill,
             "prefill_parts": prefill_parts, "profile": profile, "graph_profile": graph_profile,
-            "host_profile": host_profile, "attn_micro": attn_micro, "small_gemm": small_gemm,
-            "skinny_gemm": skinny}
+            "host_profile": host_profile, "attn_micro": attn_micro, "small_gemm": small_gemm}
 
 
 def main(argv=None) -> int:

@@ -14,10 +14,6 @@
   kernels before); env ``HALFMOON_FUSED_ROPE_STORE=0``, or no Triton, keeps flashinfer's RoPE and
   ``KVPool.write``;
 * SiLU(gate) * up -> ``flashinfer.activation.silu_and_mul``;
-* at decode sizes (at most 16 token rows) the q/k/v, o and down projections run as the split-N
-  Triton kernel of :mod:`engine.models.skinny_gemm` (no split-K reduce kernel), down_proj with
-  SiLU·mul computed as its input is loaded; env ``HALFMOON_SKINNY_GEMM=0`` keeps cuBLAS (and
-  ``bn,bk,warps,stages`` forces one tile, for benchmarks); more rows always go to cuBLAS;
 * each residual add and the RMSNorm after it -> ``flashinfer.norm.fused_add_rmsnorm`` (one kernel,
   in place), the layers passing ``(hidden, residual)`` to each other as in sglang's Llama.
 
@@ -37,10 +33,8 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from engine.kvcache.rope_kv_store import rope_kv_store
-from engine.models import skinny_gemm as skinny
 
 
 def fused_ops_supported(model) -> bool:
@@ -72,7 +66,6 @@ class FusedOps:
         # RoPE + K/V store in one kernel (see the module docstring); read once, at enable time
         self.rope_store = (os.environ.get("HALFMOON_FUSED_ROPE_STORE", "1") != "0"
                            and importlib.util.find_spec("triton") is not None)
-        self.skinny = skinny_setting(os.environ.get("HALFMOON_SKINNY_GEMM", "1"))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape
@@ -86,30 +79,12 @@ class FusedOps:
         self.fi.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, self.head_dim,
                                                            self.cos_sin_cache, is_neox=True)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               glu: bool = False) -> torch.Tensor:
-        """``x @ weight.T (+ bias)``, or with ``glu`` ``silu_mul(x) @ weight.T``: the skinny kernel
-        where it applies (decode sizes, no bias), else flashinfer / cuBLAS."""
-        if self.skinny is not None and bias is None and skinny.supports(x, weight, glu, self.skinny):
-            return skinny.skinny_gemm(x, weight, glu, self.skinny)
-        return F.linear(self.silu_mul(x) if glu else x, weight, bias)
-
-    def project(self, module: nn.Module, x: torch.Tensor, glu: bool = False) -> torch.Tensor:
-        """A projection module on ``x``: a plain ``nn.Linear`` through :meth:`linear`; anything else
-        (a tensor-parallel module with its all-reduce) called as is."""
-        if type(module) is nn.Linear:
-            return self.linear(x, module.weight, module.bias, glu)
-        return module(self.silu_mul(x) if glu else x)
-
     def attention(self, attn, x, batch, backend) -> torch.Tensor:
-        """Attention block of one layer (``attn`` an engine.models.llama.Attention), ``o_proj``
-        included: [T, hidden] -> [T, hidden]."""
-        return self.project(attn.o_proj, self._attend(attn, x, batch, backend).reshape(x.shape[0], -1))
-
-    def _attend(self, attn, x, batch, backend) -> torch.Tensor:
+        """Attention block of one layer (``attn`` an engine.models.llama.Attention): [T, hidden] ->
+        [T, H*D], before ``o_proj``."""
         T = x.shape[0]
         H, KVH, D = attn.h, attn.kvh, attn.d
-        qkv = self.project(attn.qkv_proj, x) if attn.qkv_weight is None else self.linear(x, attn.qkv_weight, attn.qkv_bias)
+        qkv = attn.qkv_proj(x) if attn.qkv_weight is None else F.linear(x, attn.qkv_weight, attn.qkv_bias)
         q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
         if attn.q_norm is not None:  # Qwen3: per-head norm before RoPE (new tensors)
             q = self.rms_norm(q.reshape(T, H, D), attn.q_norm.weight, attn.q_norm.eps).view(T, H * D)
@@ -140,32 +115,8 @@ class FusedOps:
         return h, residual
 
     def mlp(self, mlp, x) -> torch.Tensor:
-        # gate/up stays on cuBLAS: it reads its weight at copy speed there (see the module docstring)
         gate_up = mlp.gate_up_proj(x) if mlp.gate_up_weight is None else F.linear(x, mlp.gate_up_weight)
-        return self.project(mlp.down_proj, gate_up, glu=True)
-
-
-def skinny_setting(value: str) -> skinny.SkinnyConfig | None:
-    """``HALFMOON_SKINNY_GEMM``: ``0`` off (cuBLAS), ``1`` the default tile, ``bn,bk,warps,stages``
-    one tile for every projection. Raises ValueError naming the variable for anything else, and
-    when the kernel is asked for without Triton installed."""
-    if value == "0":
-        return None
-    if value == "1":
-        cfg = skinny.DEFAULT
-    else:
-        try:
-            bn, bk, nw, ns = (int(v) for v in value.split(","))
-        except ValueError:
-            raise ValueError(f"HALFMOON_SKINNY_GEMM={value!r}: expected 0, 1 or bn,bk,warps,stages") from None
-        if any(v <= 0 or v & (v - 1) for v in (bn, bk, nw)) or ns <= 0:
-            raise ValueError(f"HALFMOON_SKINNY_GEMM={value!r}: bn, bk and warps must be powers of two, stages > 0")
-        cfg = skinny.SkinnyConfig(bn, bk, nw, ns)
-    if importlib.util.find_spec("triton") is None:
-        if value != "1":
-            raise ValueError(f"HALFMOON_SKINNY_GEMM={value!r}: the kernel needs Triton, which is not installed")
-        return None
-    return cfg
+        return mlp.down_proj(self.silu_mul(gate_up))
 
 
 def _fuse(linears) -> torch.Tensor:

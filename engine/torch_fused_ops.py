@@ -53,7 +53,7 @@ class TorchFusedOps:
         self._cos_sin = (None, None)
 
     def attention(self, attn, x, batch, backend) -> torch.Tensor:
-        """Attention block of one layer, ``o_proj`` included: [T, hidden] -> [T, hidden]."""
+        """Attention block of one layer: [T, hidden] -> [T, H*D], before ``o_proj``."""
         T = x.shape[0]
         H, KVH, D = attn.h, attn.kvh, attn.d
         q, k, v = self.qkv[attn.layer](x).split([H * D, KVH * D, KVH * D], dim=-1)
@@ -62,7 +62,7 @@ class TorchFusedOps:
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = self._cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return attn.o_proj(backend.forward(q, k, v, attn.layer, batch))
+        return backend.forward(q, k, v, attn.layer, batch)
 
     def mlp(self, mlp, x) -> torch.Tensor:
         gate, up = self.gate_up[mlp.layer](x).chunk(2, dim=-1)

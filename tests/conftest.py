@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -17,11 +16,6 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # tests that do not need torch still run
     pass
-else:
-    # Where there is no GPU, Triton kernels run in Triton's CPU interpreter. The switch must be on
-    # before triton is first imported: its standard library (tl.sum, ...) is built then.
-    if "triton" not in sys.modules and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
