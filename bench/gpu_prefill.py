@@ -11,7 +11,7 @@ import statistics
 
 import torch
 
-from bench.gpu_runner import PAGE_SIZE, build_runner
+from bench.gpu_runner import PAGE_SIZE, build_runner, prefill_row
 from bench.gpu_timing import events_ms, kernel_times
 
 
@@ -27,12 +27,7 @@ def prefill(args) -> dict:
               if isinstance(m, torch.nn.Linear))
     attn_flops = 2 * T * T * mc.head_dim * mc.num_heads * mc.num_layers  # causal: half of 4*T^2*D*H*L
     flops = 2 * T * lin + attn_flops + 2 * mc.hidden_size * mc.vocab_size
-    row = runner.req_to_token_pool.alloc()
-    slots = runner.allocator.alloc_slots(0, T, None)
-    runner.req_to_token_pool.write(row, 0, slots)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, mc.vocab_size, (T,), generator=g).tolist()
-    batch = ForwardBatch.build(ForwardMode.EXTEND, [row], [0], [ids], slots, "cuda")
+    row, ids, slots, batch = prefill_row(runner, T)
     chunk = T // 4
     chunks = [ForwardBatch.build(ForwardMode.EXTEND, [row], [i * chunk], [ids[i * chunk:(i + 1) * chunk]],
                                  slots[i * chunk:(i + 1) * chunk], "cuda") for i in range(4)]

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.gpu_runner import PAGE_SIZE, build_runner
+from bench.gpu_runner import PAGE_SIZE, build_runner, prefill_row
 from bench.gpu_timing import events_ms, kernel_intervals
 
 
@@ -47,18 +47,12 @@ def prefill_parts(args) -> dict:
     from torch.profiler import ProfilerActivity, record_function
     from torch.profiler import profile as tprofile
 
-    from engine.forward_batch import ForwardBatch, ForwardMode
     from engine.kvcache.rope_kv_store import rope_kv_store
 
     T, ps = args.prefill_tokens, PAGE_SIZE
     runner, _ = build_runner(args, 4, T + ps, -(-T // ps) + 8, cuda_graph=False)
     mc, fused, be, pool = runner.model_config, runner.model._fused, runner.backend, runner.kv_pool
-    row = runner.req_to_token_pool.alloc()
-    slots = runner.allocator.alloc_slots(0, T, None)
-    runner.req_to_token_pool.write(row, 0, slots)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, mc.vocab_size, (T,), generator=g).tolist()
-    batch = ForwardBatch.build(ForwardMode.EXTEND, [row], [0], [ids], slots, "cuda")
+    batch = prefill_row(runner, T)[3]
     out: dict = {"tokens": T, "rope_store_default": fused.rope_store}
 
     for _ in range(2):

@@ -1,5 +1,5 @@
-"""The ModelRunner the GPU benchmark's 8B sections time: dummy weights, bf16, page 16, and the rows
-of a decode batch at one context length."""
+"""The ModelRunner the GPU benchmark's 8B sections time: dummy weights, bf16, page 16, the rows
+of a decode batch at one context length, and one prefill row."""
 
 from __future__ import annotations
 
@@ -42,3 +42,15 @@ def decode_batch(rows: list[int], slots: list[torch.Tensor], context: int, token
     B = len(token_ids)
     return ForwardBatch.build(ForwardMode.DECODE, rows[:B], [context] * B, [[t] for t in token_ids],
                               torch.stack([s[context] for s in slots[:B]]), "cuda")
+
+
+def prefill_row(r, T: int):
+    """One request row with slots for ``T`` new tokens and seeded random ids: (row, ids, slots,
+    the extend ForwardBatch of all ``T`` from position 0)."""
+    from engine.forward_batch import ForwardBatch, ForwardMode
+
+    row = r.req_to_token_pool.alloc()
+    slots = r.allocator.alloc_slots(0, T, None)
+    r.req_to_token_pool.write(row, 0, slots)
+    ids = torch.randint(0, r.model_config.vocab_size, (T,), generator=torch.Generator().manual_seed(0)).tolist()
+    return row, ids, slots, ForwardBatch.build(ForwardMode.EXTEND, [row], [0], [ids], slots, "cuda")

@@ -2,16 +2,7 @@
 # Session 11, call 2 (GPU_NOTES.md): GPU tests after the graph-runner fix, decode with the fused RoPE +
 # K/V store on/off interleaved, prefill_parts with the SM clock logged. Results under $OUT.
 set -u
-export PYTHONUNBUFFERED=1 MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0
-site=/tmp/site; mkdir -p $site
-python3 -m pip install -q --no-index --no-deps --no-compile --target $site .whl/*.whl 2>&1 | grep -v "already exists"
-export PYTHONPATH=$site:$PWD
-if [ -f gpu-cache/flashinfer-so.tar.gz ]; then  # compiled ops as AOT modules: no JIT
-  tmp=$(mktemp -d) && tar -xzf gpu-cache/flashinfer-so.tar.gz -C $tmp && mkdir -p $site/flashinfer/data/aot &&
-  for d in $tmp/flashinfer/*/*/cached_ops/*/; do cp -r "$d" $site/flashinfer/data/aot/; done
-fi
-t0=$(date +%s)
-step() { echo "=== $1 (t=$(( $(date +%s) - t0 ))s)"; }
+source scripts/gpu_call_env.sh
 step tests
 python3 -m pytest -m gpu -q -p no:cacheprovider tests/unit/test_rope_kv_store.py tests/unit/test_gpu_flashinfer.py \
   tests/unit/test_flashinfer_plan_fence.py 2>&1 | tee $OUT/call2_pytest.log | tail -6

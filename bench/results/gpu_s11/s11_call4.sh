@@ -1,14 +1,7 @@
 #!/usr/bin/env bash
 # Session 11, call 4 (GPU_NOTES.md): graph decode with flashinfer's split-KV off vs on.
 set -u
-export PYTHONUNBUFFERED=1 MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0
-site=/tmp/site; mkdir -p $site
-python3 -m pip install -q --no-index --no-deps --no-compile --target $site .whl/*.whl 2>&1 | grep -v "already exists"
-export PYTHONPATH=$site:$PWD
-tmp=$(mktemp -d) && tar -xzf gpu-cache/flashinfer-so.tar.gz -C $tmp && mkdir -p $site/flashinfer/data/aot &&
-for d in $tmp/flashinfer/*/*/cached_ops/*/; do cp -r "$d" $site/flashinfer/data/aot/; done
-t0=$(date +%s)
-step() { echo "=== $1 (t=$(( $(date +%s) - t0 ))s)"; }
+source scripts/gpu_call_env.sh
 step "graph vs eager, no split"
 HALFMOON_FLASHINFER_DECODE_NO_SPLIT_FROM=1 python3 -m pytest -m gpu -q -p no:cacheprovider \
   tests/unit/test_gpu_flashinfer.py -k "graph_decode or transformers" 2>&1 | tail -3
