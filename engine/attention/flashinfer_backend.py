@@ -168,8 +168,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         if decode_tensor_cores is None:
             decode_tensor_cores = os.environ.get("HALFMOON_FLASHINFER_DECODE_TENSOR_CORES", "1") != "0"
         self.decode_tensor_cores = decode_tensor_cores
-        self.decode_split_pages = decode_split_pages(os.environ.get("HALFMOON_FLASHINFER_DECODE_SPLIT_PAGES", ""),
-                                                     decode_tensor_cores)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=decode_tensor_cores)
         # per layer (K, V) [P, ps, kvh, head_dim]; page_major: strided views (page stride 2*layers*ps*kvh*hd)
@@ -201,7 +199,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Plan ``wrapper`` for a decode batch from a :func:`page_table`."""
         self.fence.plan(wrapper, indptr, indices, last_page_len, self.num_heads, self.num_kv_heads,
                         self.head_dim, self.kv_pool.page_size, q_data_type=self.kv_pool.dtype, kv_data_type=self.kv_pool.dtype,
-                        sm_scale=self.scale, fixed_split_size=self.decode_split_pages)
+                        sm_scale=self.scale)
 
     def init_forward(self, batch: ForwardBatch) -> None:
         seq, ext = batch.host_lens()
@@ -257,20 +255,3 @@ class FlashInferAttentionBackend(AttentionBackend):
             return o.reshape(q.shape[0], self.num_heads * self.head_dim)
         o = self._wrapper.run(q, self.kv_cache[layer])
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)
-
-
-def decode_split_pages(value: str, tensor_cores: bool) -> int | None:
-    """``HALFMOON_FLASHINFER_DECODE_SPLIT_PAGES``: pages per split-KV chunk of the tensor-core decode
-    (flashinfer's ``fixed_split_size``); empty: flashinfer's own choice. Raises ValueError naming
-    the variable for a non-positive or non-integer value, or with the CUDA-core decode kernel."""
-    if not value:
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise ValueError(f"HALFMOON_FLASHINFER_DECODE_SPLIT_PAGES={value!r}: expected a positive page count")
-    if not tensor_cores:
-        raise ValueError("HALFMOON_FLASHINFER_DECODE_SPLIT_PAGES needs the tensor-core decode kernel")
-    return n
