@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 12, call 1 (GPU_NOTES.md): GPU tests with the skinny decode GEMM on, its tile sweep against
+# Session 12, calls 1 and 2 (GPU_NOTES.md): GPU tests with the skinny decode GEMM on, its tile sweep against
 # cuBLAS, then decode with it on / off interleaved (and with the sweep's best single tile).
-# Ran at commit d869ce8: the kernel and its bench section (skinny_gemm) were removed after call 2.
+# Ran at commit 457d1a4 (call 1, tensor-core kernel) and d869ce8 (call 2, CUDA-core kernel); both were removed after.
 set -u
 source scripts/gpu_call_env.sh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -15,7 +15,7 @@ best=$(python3 -c "
 import json; r = json.load(open('$OUT/sweep.json'))['skinny_gemm']
 tot = {}
 for row in r['rows']:
-    if row['M'] == 1 and 'sweep' in row and row['gemm'] != 'gate_up':
+    if row['M'] == 1 and 'sweep' in row and row['gemm'] not in ('gate_up', 'down'):
         for p in row['sweep']:
             k = (p['bn'], p['bk'], p['num_warps'], p['num_stages']); tot.setdefault(k, []).append(p['us'])
 k = min((k for k in tot if len(tot[k]) == 3), key=lambda k: sum(tot[k]))
