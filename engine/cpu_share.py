@@ -50,6 +50,13 @@ _THREADS = 8
 # 41.6 ms, 0.3 core 36.0 vs 39.2, 0.5 core 40.5 vs 36.5; break-even ~0.4. Served 1P1D shared-prefix
 # c=8: TPOT 38-41 ms at 0.75 (D often left on one thread by the router + client) vs 34-38 at 0.6.
 DEFAULT_MIN_IDLE = 0.6
+# A decode worker's default: no idle-core test. Served 1P1D runs on a 2-core Zen 4 box (router,
+# benchmark client and P beside D; bench.cpu_peer, 16 requests, 2 interleaved reps, 3 runs) gave D
+# 1.02-1.12x the output tok/s with 0 than with 0.6 on random and shared-prefix prompts at c=1 and
+# c=8, 15 of 16 rep pairs ahead: the router's and client's use of the second core comes in short
+# bursts per token, which a 2-thread step absorbs better than the steady busy loop above. P keeps
+# DEFAULT_MIN_IDLE (not measured without it).
+DECODE_MIN_IDLE = 0.0
 
 
 def _machine_busy_s() -> float | None:

@@ -7,21 +7,24 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine.cpu_share import DEFAULT_MIN_IDLE, CpuShare, CpuShareError, NoCpuShare
+from engine.cpu_share import DECODE_MIN_IDLE, DEFAULT_MIN_IDLE, CpuShare, CpuShareError, NoCpuShare
 from telemetry import metrics as M
 
 log = logging.getLogger("halfmoon.worker")
 
 
-def add_cpu_share_argument(parser: argparse.ArgumentParser) -> None:
+def add_cpu_share_argument(parser: argparse.ArgumentParser, role: str) -> None:
+    """``--cpu-share`` and ``--cpu-share-min-idle`` (default by ``role``, "prefill" | "decode":
+    engine.cpu_share's DEFAULT_MIN_IDLE / DECODE_MIN_IDLE, where the measurements are)."""
+    min_idle = DECODE_MIN_IDLE if role == "decode" else DEFAULT_MIN_IDLE
     parser.add_argument("--cpu-share", default=None, metavar="PATH",
                         help="share file of the CPU workers on this machine (halfmoon up makes one): "
                              "while the other workers are idle this one computes on all cores, while "
                              "they are busy on its --torch-threads; needs --device cpu and --tp 1")
-    parser.add_argument("--cpu-share-min-idle", type=share_of_core, default=DEFAULT_MIN_IDLE, metavar="F",
+    parser.add_argument("--cpu-share-min-idle", type=share_of_core, default=min_idle, metavar="F",
                         help="with --cpu-share: a thread beyond --torch-threads needs a core that every "
                              "other process (router, clients, ...) left at least this share of idle over "
-                             "the last 0.2 s; 0 = the share file alone decides")
+                             f"the last 0.2 s; 0 = the share file alone decides (default {min_idle:g})")
 
 
 def share_of_core(text: str) -> float:

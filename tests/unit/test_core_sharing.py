@@ -60,10 +60,11 @@ def test_min_idle_flag_is_a_share_of_a_core():
 
     from pd_common.cpu_share import add_cpu_share_argument
 
-    ap = argparse.ArgumentParser()
-    add_cpu_share_argument(ap)
-    assert ap.parse_args([]).cpu_share_min_idle == 0.6
-    assert ap.parse_args(["--cpu-share-min-idle", "0"]).cpu_share_min_idle == 0.0
-    for bad in ("1.5", "-0.1", "x"):
-        with pytest.raises(SystemExit):
-            ap.parse_args(["--cpu-share-min-idle", bad])
+    for role, default in (("prefill", 0.6), ("decode", 0.0)):  # decode: no idle-core test by default
+        ap = argparse.ArgumentParser()
+        add_cpu_share_argument(ap, role)
+        assert ap.parse_args([]).cpu_share_min_idle == default, role
+        assert ap.parse_args(["--cpu-share-min-idle", "0.3"]).cpu_share_min_idle == 0.3
+        for bad in ("1.5", "-0.1", "x"):
+            with pytest.raises(SystemExit):
+                ap.parse_args(["--cpu-share-min-idle", bad])
