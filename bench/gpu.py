@@ -18,6 +18,7 @@ Sections (each adds one key to the JSON; each is a module, see its docstring):
   host_profile  bench/gpu_profile.py: host time of a graph decode step by function
   attn_micro    bench/gpu_attention.py: flashinfer paged decode attention alone
   small_gemm    bench/gpu_small_gemm.py: the decode step's GEMMs alone at M = 1..128, cuBLAS vs cuBLASLt
+                vs tinygemm (M <= 8, with and without programmatic dependent launch)
   transfer, pd  bench/gpu_transfer.py: KV transfer GPU0 -> GPU1 and P/D on two GPUs
 
 Floors are written before the run into bench/results/GPU_NOTES.md; this prints measured / floor.

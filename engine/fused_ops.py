@@ -14,6 +14,11 @@
   kernels before); env ``HALFMOON_FUSED_ROPE_STORE=0``, or no Triton, keeps flashinfer's RoPE and
   ``KVPool.write``;
 * SiLU(gate) * up -> ``flashinfer.activation.silu_and_mul``;
+* the projections of a batch of at most :data:`SMALL_M_ROWS` rows (decode at small batch) ->
+  ``flashinfer.gemm.tinygemm_bf16`` when env ``HALFMOON_SMALL_M_GEMM`` says so (see
+  :func:`small_m_gemm_mode`): a weight-streaming GEMM with no split-K reduce kernel that starts
+  reading its weights before the previous kernel ends (programmatic dependent launch); else
+  ``F.linear`` (cuBLAS);
 * each residual add and the RMSNorm after it -> ``flashinfer.norm.fused_add_rmsnorm`` (one kernel,
   in place), the layers passing ``(hidden, residual)`` to each other as in sglang's Llama.
 
@@ -35,6 +40,27 @@ import torch
 import torch.nn.functional as F
 
 from engine.kvcache.rope_kv_store import rope_kv_store
+
+SMALL_M_ROWS = 8  # tinygemm's batch tile: up to 8 rows read each weight once
+SMALL_M_MODES = ("cublas", "tinygemm", "tinygemm_nopdl")
+
+
+def small_m_gemm_mode() -> str:
+    """The GEMM for batches of <= :data:`SMALL_M_ROWS` rows, from env ``HALFMOON_SMALL_M_GEMM``:
+    "cublas" (``F.linear``), "tinygemm" (flashinfer's tinygemm with programmatic dependent
+    launch) or "tinygemm_nopdl". Raises ValueError on any other value."""
+    mode = os.environ.get("HALFMOON_SMALL_M_GEMM", "cublas")
+    if mode not in SMALL_M_MODES:
+        raise ValueError(f"HALFMOON_SMALL_M_GEMM={mode!r}: expected one of {SMALL_M_MODES}")
+    return mode
+
+
+def takes_small_m_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x [T, K] @ weight[N, K].T`` fits tinygemm: T <= SMALL_M_ROWS, bf16, both
+    contiguous, N % 16 == 0 (its weight tile), K % 64 == 0 (its TMA box)."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16 and x.is_contiguous() and weight.is_contiguous()
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 64 == 0 and x.shape[1] == weight.shape[1])
 
 
 def fused_ops_supported(model) -> bool:
@@ -66,6 +92,27 @@ class FusedOps:
         # RoPE + K/V store in one kernel (see the module docstring); read once, at enable time
         self.rope_store = (os.environ.get("HALFMOON_FUSED_ROPE_STORE", "1") != "0"
                            and importlib.util.find_spec("triton") is not None)
+        mode = small_m_gemm_mode()
+        self.small_m = None if mode == "cublas" else flashinfer.gemm.tinygemm_bf16
+        self.small_m_pdl = mode == "tinygemm"
+        self.small_m_calls = 0  # projections issued on tinygemm (eager calls + graph captures)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for x [T, K], weight [N, K] -> [T, N] in x's dtype; small
+        batches on tinygemm when enabled (see the module docstring)."""
+        if self.small_m is not None and takes_small_m_gemm(x, weight):
+            out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+            self.small_m(x, weight, out, bias, self.small_m_pdl)
+            self.small_m_calls += 1
+            return out
+        return F.linear(x, weight, bias)
+
+    def project(self, module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` for a projection: a plain ``nn.Linear`` goes through :meth:`linear`; any
+        other module (a tensor-parallel one with its all-reduce) is called as it is."""
+        if type(module) is torch.nn.Linear:
+            return self.linear(x, module.weight, module.bias)
+        return module(x)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape
@@ -84,7 +131,7 @@ class FusedOps:
         [T, H*D], before ``o_proj``."""
         T = x.shape[0]
         H, KVH, D = attn.h, attn.kvh, attn.d
-        qkv = attn.qkv_proj(x) if attn.qkv_weight is None else F.linear(x, attn.qkv_weight, attn.qkv_bias)
+        qkv = attn.qkv_proj(x) if attn.qkv_weight is None else self.linear(x, attn.qkv_weight, attn.qkv_bias)
         q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
         if attn.q_norm is not None:  # Qwen3: per-head norm before RoPE (new tensors)
             q = self.rms_norm(q.reshape(T, H, D), attn.q_norm.weight, attn.q_norm.eps).view(T, H * D)
@@ -115,8 +162,8 @@ class FusedOps:
         return h, residual
 
     def mlp(self, mlp, x) -> torch.Tensor:
-        gate_up = mlp.gate_up_proj(x) if mlp.gate_up_weight is None else F.linear(x, mlp.gate_up_weight)
-        return mlp.down_proj(self.silu_mul(gate_up))
+        gate_up = mlp.gate_up_proj(x) if mlp.gate_up_weight is None else self.linear(x, mlp.gate_up_weight)
+        return self.project(mlp.down_proj, self.silu_mul(gate_up))
 
 
 def _fuse(linears) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""The small-batch GEMM seam of the fused GPU path (``engine.fused_ops``): which mode the env picks,
+which projections tinygemm takes, and (GPU) that its outputs match cuBLAS and the model still
+matches transformers with it on, in CUDA-graph decode."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.fused_ops import SMALL_M_ROWS, small_m_gemm_mode, takes_small_m_gemm
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_mode_comes_from_env_and_rejects_unknown_values(monkeypatch):
+    monkeypatch.delenv("HALFMOON_SMALL_M_GEMM", raising=False)
+    assert small_m_gemm_mode() == "cublas"
+    for mode in ("cublas", "tinygemm", "tinygemm_nopdl"):
+        monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", mode)
+        assert small_m_gemm_mode() == mode
+    monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", "tinygem")
+    with pytest.raises(ValueError, match="HALFMOON_SMALL_M_GEMM='tinygem'"):
+        small_m_gemm_mode()
+
+
+def test_only_small_contiguous_bf16_tile_aligned_gemms_qualify():
+    bf = torch.bfloat16
+    w = torch.zeros(96, 128, dtype=bf)
+    assert takes_small_m_gemm(torch.zeros(1, 128, dtype=bf), w)
+    assert takes_small_m_gemm(torch.zeros(SMALL_M_ROWS, 128, dtype=bf), w)
+    assert not takes_small_m_gemm(torch.zeros(SMALL_M_ROWS + 1, 128, dtype=bf), w)  # a second tile
+    assert not takes_small_m_gemm(torch.zeros(0, 128, dtype=bf), w)
+    assert not takes_small_m_gemm(torch.zeros(1, 128, dtype=torch.float16), w.half())
+    assert not takes_small_m_gemm(torch.zeros(1, 128), w.float())
+    assert not takes_small_m_gemm(torch.zeros(2, 256, dtype=bf)[:, :128], w)  # row-strided view
+    assert not takes_small_m_gemm(torch.zeros(1, 128, dtype=bf), torch.zeros(88, 128, dtype=bf))  # N % 16
+    assert not takes_small_m_gemm(torch.zeros(1, 96, dtype=bf), torch.zeros(96, 96, dtype=bf))  # K % 64
+    assert not takes_small_m_gemm(torch.zeros(1, 64, dtype=bf), w)  # K mismatch
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("pdl", [False, True])
+def test_tinygemm_matches_cublas_on_decode_shapes(pdl):
+    import flashinfer
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for N, K in ((6144, 4096), (4096, 4096), (4096, 14336)):
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) / K ** 0.5
+        for M in (1, 3, 8):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+            out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            flashinfer.gemm.tinygemm_bf16(x, w, out, None, pdl)
+            ref = F.linear(x.float(), w.float())
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err <= 1e-2, (N, K, M, err)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("mode", ["tinygemm", "tinygemm_nopdl"])
+def test_model_matches_transformers_with_tinygemm(monkeypatch, mode):
+    from bench.gpu import model_vs_transformers
+    from tests.unit.test_gpu_flashinfer import TINY
+
+    monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", mode)
+    with tempfile.TemporaryDirectory() as tmp:
+        bf = model_vs_transformers("llama-3.1-8b", 2, "bf16", tmp, overrides=TINY)
+    assert bf["cuda_graph"] and bf["fused_ops"], bf
+    assert bf["small_m_gemm_calls"] > 0, bf  # the decode graphs' projections took tinygemm
+    assert bf["rel_err_vs_hf_fp32"] <= 2e-2, bf
