@@ -43,6 +43,7 @@ from engine.kvcache.rope_kv_store import rope_kv_store
 
 SMALL_M_ROWS = 8  # tinygemm's batch tile: up to 8 rows read each weight once
 SMALL_M_MODES = ("cublas", "tinygemm", "tinygemm_nopdl")
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 def small_m_gemm_mode() -> str:
@@ -53,6 +54,16 @@ def small_m_gemm_mode() -> str:
     if mode not in SMALL_M_MODES:
         raise ValueError(f"HALFMOON_SMALL_M_GEMM={mode!r}: expected one of {SMALL_M_MODES}")
     return mode
+
+
+def small_m_projections() -> frozenset[str]:
+    """Which projections the small-batch GEMM takes, from env ``HALFMOON_SMALL_M_GEMM_ON`` (a comma
+    list of :data:`PROJECTIONS`; default all). Raises ValueError naming an unknown one."""
+    names = [n.strip() for n in os.environ.get("HALFMOON_SMALL_M_GEMM_ON", ",".join(PROJECTIONS)).split(",")]
+    bad = [n for n in names if n not in PROJECTIONS]
+    if bad:
+        raise ValueError(f"HALFMOON_SMALL_M_GEMM_ON: unknown projection(s) {bad}; expected some of {PROJECTIONS}")
+    return frozenset(names)
 
 
 def takes_small_m_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -95,23 +106,26 @@ class FusedOps:
         mode = small_m_gemm_mode()
         self.small_m = None if mode == "cublas" else flashinfer.gemm.tinygemm_bf16
         self.small_m_pdl = mode == "tinygemm"
+        self.small_m_on = small_m_projections()
         self.small_m_calls = 0  # projections issued on tinygemm (eager calls + graph captures)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, proj: str, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` for x [T, K], weight [N, K] -> [T, N] in x's dtype; small
-        batches on tinygemm when enabled (see the module docstring)."""
-        if self.small_m is not None and takes_small_m_gemm(x, weight):
+        batches on tinygemm when enabled for ``proj`` (one of :data:`PROJECTIONS`; see the module
+        docstring)."""
+        if self.small_m is not None and proj in self.small_m_on and takes_small_m_gemm(x, weight):
             out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
             self.small_m(x, weight, out, bias, self.small_m_pdl)
             self.small_m_calls += 1
             return out
         return F.linear(x, weight, bias)
 
-    def project(self, module, x: torch.Tensor) -> torch.Tensor:
-        """``module(x)`` for a projection: a plain ``nn.Linear`` goes through :meth:`linear`; any
-        other module (a tensor-parallel one with its all-reduce) is called as it is."""
+    def project(self, proj: str, module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` for projection ``proj``: a plain ``nn.Linear`` goes through :meth:`linear`;
+        any other module (a tensor-parallel one with its all-reduce) is called as it is."""
         if type(module) is torch.nn.Linear:
-            return self.linear(x, module.weight, module.bias)
+            return self.linear(proj, x, module.weight, module.bias)
         return module(x)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,7 +145,7 @@ class FusedOps:
         [T, H*D], before ``o_proj``."""
         T = x.shape[0]
         H, KVH, D = attn.h, attn.kvh, attn.d
-        qkv = attn.qkv_proj(x) if attn.qkv_weight is None else self.linear(x, attn.qkv_weight, attn.qkv_bias)
+        qkv = attn.qkv_proj(x) if attn.qkv_weight is None else self.linear("qkv", x, attn.qkv_weight, attn.qkv_bias)
         q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
         if attn.q_norm is not None:  # Qwen3: per-head norm before RoPE (new tensors)
             q = self.rms_norm(q.reshape(T, H, D), attn.q_norm.weight, attn.q_norm.eps).view(T, H * D)
@@ -162,8 +176,8 @@ class FusedOps:
         return h, residual
 
     def mlp(self, mlp, x) -> torch.Tensor:
-        gate_up = mlp.gate_up_proj(x) if mlp.gate_up_weight is None else self.linear(x, mlp.gate_up_weight)
-        return self.project(mlp.down_proj, self.silu_mul(gate_up))
+        gate_up = mlp.gate_up_proj(x) if mlp.gate_up_weight is None else self.linear("gate_up", x, mlp.gate_up_weight)
+        return self.project("down", mlp.down_proj, self.silu_mul(gate_up))
 
 
 def _fuse(linears) -> torch.Tensor:

@@ -64,6 +64,11 @@ class TorchFusedOps:
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return backend.forward(q, k, v, attn.layer, batch)
 
+    def project(self, proj: str, module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` for projection ``proj`` (the fused GPU ops' seam; here o_proj / down_proj
+        carry their packed kernels in the modules themselves)."""
+        return module(x)
+
     def mlp(self, mlp, x) -> torch.Tensor:
         gate, up = self.gate_up[mlp.layer](x).chunk(2, dim=-1)
         return mlp.down_proj(F.silu(gate) * up)

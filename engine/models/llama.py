@@ -58,7 +58,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, batch: ForwardBatch, backend: AttentionBackend):
         if self._fused is not None:
-            return self._fused.project(self.o_proj, self._fused.attention(self, x, batch, backend))
+            return self._fused.project("o", self.o_proj, self._fused.attention(self, x, batch, backend))
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.h, self.d)
         k = self.k_proj(x).view(T, self.kvh, self.d)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.fused_ops import SMALL_M_ROWS, small_m_gemm_mode, takes_small_m_gemm
+from engine.fused_ops import PROJECTIONS, SMALL_M_ROWS, small_m_gemm_mode, small_m_projections, takes_small_m_gemm
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -24,6 +24,16 @@ def test_mode_comes_from_env_and_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", "tinygem")
     with pytest.raises(ValueError, match="HALFMOON_SMALL_M_GEMM='tinygem'"):
         small_m_gemm_mode()
+
+
+def test_projections_come_from_env_and_reject_unknown_names(monkeypatch):
+    monkeypatch.delenv("HALFMOON_SMALL_M_GEMM_ON", raising=False)
+    assert small_m_projections() == frozenset(PROJECTIONS)
+    monkeypatch.setenv("HALFMOON_SMALL_M_GEMM_ON", "o, down")
+    assert small_m_projections() == {"o", "down"}
+    monkeypatch.setenv("HALFMOON_SMALL_M_GEMM_ON", "o,lm_head")
+    with pytest.raises(ValueError, match="lm_head"):
+        small_m_projections()
 
 
 def test_only_small_contiguous_bf16_tile_aligned_gemms_qualify():
