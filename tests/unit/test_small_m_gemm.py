@@ -10,24 +10,33 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.fused_ops import PROJECTIONS, SMALL_M_ROWS, small_m_gemm_mode, small_m_projections, takes_small_m_gemm
+from engine.fused_ops import (DEFAULT_SMALL_M_PROJECTIONS, PROJECTIONS, SMALL_M_ROWS, small_m_gemm_mode,
+                              small_m_projections, takes_small_m_gemm)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def test_mode_comes_from_env_and_rejects_unknown_values(monkeypatch):
     monkeypatch.delenv("HALFMOON_SMALL_M_GEMM", raising=False)
-    assert small_m_gemm_mode() == "cublas"
+    assert small_m_gemm_mode(True) == "tinygemm"  # auto
+    assert small_m_gemm_mode(False) == "cublas"
     for mode in ("cublas", "tinygemm", "tinygemm_nopdl"):
         monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", mode)
-        assert small_m_gemm_mode() == mode
+        assert small_m_gemm_mode(True) == mode
+    monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", "cublas")
+    assert small_m_gemm_mode(False) == "cublas"
+    monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", "tinygemm")
+    with pytest.raises(ValueError, match="sm90"):  # asked for, not there: said, not ignored
+        small_m_gemm_mode(False)
     monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", "tinygem")
     with pytest.raises(ValueError, match="HALFMOON_SMALL_M_GEMM='tinygem'"):
-        small_m_gemm_mode()
+        small_m_gemm_mode(True)
 
 
 def test_projections_come_from_env_and_reject_unknown_names(monkeypatch):
     monkeypatch.delenv("HALFMOON_SMALL_M_GEMM_ON", raising=False)
+    assert small_m_projections() == frozenset(DEFAULT_SMALL_M_PROJECTIONS) == {"o", "down"}
+    monkeypatch.setenv("HALFMOON_SMALL_M_GEMM_ON", ",".join(PROJECTIONS))
     assert small_m_projections() == frozenset(PROJECTIONS)
     monkeypatch.setenv("HALFMOON_SMALL_M_GEMM_ON", "o, down")
     assert small_m_projections() == {"o", "down"}
@@ -71,14 +80,20 @@ def test_tinygemm_matches_cublas_on_decode_shapes(pdl):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("mode", ["tinygemm", "tinygemm_nopdl"])
-def test_model_matches_transformers_with_tinygemm(monkeypatch, mode):
+@pytest.mark.parametrize("mode,on", [("auto", None), ("tinygemm", "qkv,o,gate_up,down"),
+                                     ("tinygemm_nopdl", "qkv,o,gate_up,down")])
+def test_model_matches_transformers_with_tinygemm(monkeypatch, mode, on):
     from bench.gpu import model_vs_transformers
     from tests.unit.test_gpu_flashinfer import TINY
 
     monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", mode)
+    if on is None:
+        monkeypatch.delenv("HALFMOON_SMALL_M_GEMM_ON", raising=False)
+    else:
+        monkeypatch.setenv("HALFMOON_SMALL_M_GEMM_ON", on)
     with tempfile.TemporaryDirectory() as tmp:
         bf = model_vs_transformers("llama-3.1-8b", 2, "bf16", tmp, overrides=TINY)
     assert bf["cuda_graph"] and bf["fused_ops"], bf
     assert bf["small_m_gemm_calls"] > 0, bf  # the decode graphs' projections took tinygemm
     assert bf["rel_err_vs_hf_fp32"] <= 2e-2, bf
+    assert bf["rel_err_vs_hf_bf16"] <= 2e-2, bf
