@@ -19,6 +19,7 @@ Sections (each adds one key to the JSON; each is a module, see its docstring):
   attn_micro    bench/gpu_attention.py: flashinfer paged decode attention alone
   small_gemm    bench/gpu_small_gemm.py: the decode step's GEMMs alone at M = 1..128, cuBLAS vs cuBLASLt
                 vs tinygemm (M <= 8, with and without programmatic dependent launch)
+  xqa_micro     bench/gpu_xqa.py: a step's decode attention, flashinfer's graph-mode wrapper vs xqa
   transfer, pd  bench/gpu_transfer.py: KV transfer GPU0 -> GPU1 and P/D on two GPUs
 
 Floors are written before the run into bench/results/GPU_NOTES.md; this prints measured / floor.
@@ -42,12 +43,14 @@ from bench.gpu_prefill import prefill
 from bench.gpu_prefill_parts import prefill_parts
 from bench.gpu_profile import graph_profile, host_profile, profile
 from bench.gpu_small_gemm import small_gemm
+from bench.gpu_xqa import xqa_micro
 
 __all__ = ["backend_vs_torch", "main", "model_vs_transformers", "table"]
 
 SECTIONS = {"ceilings": ceilings, "correctness": correctness, "decode": decode, "prefill": prefill,
             "prefill_parts": prefill_parts, "profile": profile, "graph_profile": graph_profile,
-            "host_profile": host_profile, "attn_micro": attn_micro, "small_gemm": small_gemm}
+            "host_profile": host_profile, "attn_micro": attn_micro, "small_gemm": small_gemm,
+            "xqa_micro": xqa_micro}
 
 
 def main(argv=None) -> int:

@@ -118,10 +118,6 @@ class FusedOps:
         # RoPE + K/V store in one kernel (see the module docstring); read once, at enable time
         self.rope_store = (os.environ.get("HALFMOON_FUSED_ROPE_STORE", "1") != "0"
                            and importlib.util.find_spec("triton") is not None)
-        # the RoPE + K/V store kernel launches with PDL on sm90+ (env HALFMOON_ROPE_STORE_PDL=0: off)
-        self.rope_store_pdl = (self.rope_store and dev.type == "cuda"
-                               and torch.cuda.get_device_capability(dev) >= (9, 0)
-                               and os.environ.get("HALFMOON_ROPE_STORE_PDL", "1") != "0")
         mode = small_m_gemm_mode(tinygemm_available(dev, flashinfer))
         self.small_m = None if mode == "cublas" else flashinfer.gemm.tinygemm_bf16
         self.small_m_pdl = mode == "tinygemm"
@@ -172,7 +168,7 @@ class FusedOps:
         if self.rope_store and backend.has_attend:
             pool = backend.kv_pool
             rope_kv_store(q, k, v, batch.positions, self.cos_sin_cache, batch.out_cache_loc,
-                          pool.k_pages(attn.layer), pool.v_pages(attn.layer), pdl=self.rope_store_pdl)
+                          pool.k_pages(attn.layer), pool.v_pages(attn.layer))
             return backend.attend(q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D), attn.layer, batch)
         self.rope_(batch.positions, q, k)
         return backend.forward(q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D), attn.layer, batch)

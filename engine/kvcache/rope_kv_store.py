@@ -15,12 +15,6 @@ from a float32 ``[positions, head_dim]`` table ``cat(cos, sin)`` (what flashinfe
 ``apply_rope_with_cos_sin_cache_inplace`` takes), rounded once to the tensor's dtype: the same
 arithmetic as flashinfer's kernel, within one rounding of the torch path.
 
-Programmatic dependent launch (``pdl=True``, sm90+): the kernel is launched while the q/k/v GEMM
-before it is still running; it reads the inputs produced before that GEMM (slots, positions, the
-cos/sin rows) first, waits for the GEMM (``gdc_wait``) before it touches q/k/v, and then lets the
-attention kernel after it launch early (``gdc_launch_dependents``; flashinfer's kernels wait for
-this one's stores before reading the pool). Nothing is stored before the wait.
-
 Triton is imported when the kernel is first used; with ``TRITON_INTERPRET=1`` the same kernel runs
 on CPU tensors (the unit tests do that). Layout after sglang's fused "rope + set KV buffer" and
 vLLM's ``reshape_and_cache`` (one program per token, the slot decoded in the kernel).
@@ -48,7 +42,7 @@ def _build():
     @triton.jit
     def rope_kv_store_kernel(q, k, v, pos, slots, cs, kc, vc, sq, sk, sv, scs, s_page, s_tok,
                              H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-                             BH: tl.constexpr, PDL: tl.constexpr):
+                             BH: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1)
         HALF: tl.constexpr = D // 2
@@ -62,9 +56,6 @@ def _build():
             p = tl.load(pos + t)
             cos = tl.load(cs + p * scs + i)
             sin = tl.load(cs + p * scs + HALF + i)
-            if PDL:
-                tl.extra.cuda.gdc_wait()  # the q/k/v GEMM's output is complete and visible
-                tl.extra.cuda.gdc_launch_dependents()
             if b < NQB:
                 src = q + t * sq + (b * BH + hh) * D
             else:
@@ -82,9 +73,6 @@ def _build():
         else:
             d = tl.arange(0, D)[None, :]
             h = (b - NQB - NKB) * BH + hh
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
             x = tl.load(v + t * sv + h * D + d)
             tl.store(vc + dst_off + h * D + d, x.to(vc.dtype.element_ty))
 
@@ -93,7 +81,7 @@ def _build():
 
 def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor, slots: torch.Tensor, k_pages: torch.Tensor,
-                  v_pages: torch.Tensor, num_warps: int = 4, pdl: bool = False) -> None:
+                  v_pages: torch.Tensor, num_warps: int = 4) -> None:
     """Rotate q and k in place (NeoX RoPE) and store the rotated k and v at ``slots``.
 
     q: [T, H * head_dim], k and v: [T, KVH * head_dim], each with unit stride along its last dim
@@ -102,8 +90,7 @@ def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     [T], the new tokens' pool slots (``out_cache_loc``); k_pages, v_pages: one layer's pool views
     ``[num_pages, page_size, KVH, head_dim]`` (``KVPool.k_pages``/``v_pages``; page stride free, the
     rest contiguous), one pool dtype. ``head_dim`` is ``k_pages.shape[-1]`` (even, a power of two).
-    ``num_warps``: Triton warps per program (bench.gpu prefill_parts times the choices). ``pdl``:
-    launch with programmatic dependent launch (see the module docstring; sm90+ CUDA only).
+    ``num_warps``: Triton warps per program (bench.gpu prefill_parts times the choices).
 
     Raises ValueError on mismatched shapes, dtypes, devices or strides, before anything is written.
     Slots are not range-checked (that would need a device sync inside a CUDA graph): they are
@@ -143,5 +130,4 @@ def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     grid = (T, (h + 2 * kvh) // bh)
     _KERNEL[grid](q, k, v, positions, slots, cos_sin_cache, k_pages, v_pages, q.stride(0), k.stride(0),
                   v.stride(0), cos_sin_cache.stride(0), k_pages.stride(0), k_pages.stride(1),
-                  H=h, KVH=kvh, D=d, PS=ps, BH=bh, PDL=pdl, num_warps=num_warps,
-                  **({"launch_pdl": True} if pdl else {}))
+                  H=h, KVH=kvh, D=d, PS=ps, BH=bh, num_warps=num_warps)

@@ -151,31 +151,3 @@ def test_gpu_matches_flashinfer_rope_and_pool_write():
     torch.testing.assert_close(pool.k_pages(1)[page, off], ref.k_pages(1)[page, off], rtol=1e-2, atol=1e-2)
     assert torch.equal(pool.v_pages(1)[page, off], ref.v_pages(1)[page, off])
     assert (pool.k_pages(0) == 0).all() and (pool.v_pages(0) == 0).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="needs an sm90+ CUDA device")
-def test_gpu_pdl_launch_equals_plain_launch_right_after_a_gemm():
-    """With programmatic dependent launch the kernel starts while the q/k/v GEMM before it runs; it
-    must still read that GEMM's finished output: the same bits as a plain launch, over many calls."""
-    H, KVH, d, T, ps, K = 32, 8, 128, 8, 16, 4096
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T, K, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn((H + 2 * KVH) * d, K, device="cuda", generator=g) / K ** 0.5).to(torch.bfloat16)
-    slots = torch.randperm(64 * ps, device="cuda", generator=g)[:T]
-    pos = torch.randint(0, 4000, (T,), device="cuda", generator=g)
-    cs = rope_table(4096, d).cuda()
-    outs = {}
-    for pdl in (False, True):
-        pool = KVPool(64, ps, 1, KVH, d, torch.bfloat16, "cuda")
-        qkvs = []
-        for _ in range(20):  # back to back: each launch overlaps a fresh GEMM's tail
-            qkv = torch.nn.functional.linear(x, w)
-            q, k, v = qkv.split([H * d, KVH * d, KVH * d], -1)
-            rks.rope_kv_store(q, k, v, pos, cs, slots, pool.k_pages(0), pool.v_pages(0), pdl=pdl)
-            qkvs.append(qkv)
-        torch.cuda.synchronize()
-        outs[pdl] = (torch.stack(qkvs), pool.k_pages(0).clone(), pool.v_pages(0).clone())
-    for a, b in zip(outs[False], outs[True]):
-        assert torch.equal(a, b)
