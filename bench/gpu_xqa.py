@@ -37,6 +37,7 @@ def xqa_micro(args) -> dict:
     """See the module docstring."""
     import flashinfer
 
+    xqa = flashinfer.xqa if callable(flashinfer.xqa) else flashinfer.xqa.xqa  # the package re-exports it
     dev, rows = "cuda", []
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     xws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
@@ -70,7 +71,7 @@ def xqa_micro(args) -> dict:
 
         def run_xqa():
             for i in range(layers):
-                flashinfer.xqa.xqa(q4, kv[i][0], kv[i][1], table, seq, x_out[i], xws, sem, KVH, PS,
+                xqa(q4, kv[i][0], kv[i][1], table, seq, x_out[i], xws, sem, KVH, PS,
                                    q_scale=1.0)  # xqa scales by q_scale / sqrt(D)
         row = {"batch": B, "context": C, "layers": layers}
         try:
