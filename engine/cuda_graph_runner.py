@@ -42,6 +42,23 @@ from engine.attention.flashinfer_backend import FlashInferAttentionBackend, page
 from engine.forward_batch import ForwardBatch, ForwardMode
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+# Buckets from this size up are captured under cuBLASLt: on the H200 (Llama-3.1-8B shapes) its o and
+# down kernels at M = 32-128 beat cuBLAS's (B=32 -0.07, B=64 -0.15 to -0.18, B=128 ctx 4k -0.1 to
+# -0.19 ms a step), while at B=16 it lost 0.07 ms and at B <= 8 the two are equal (o/down run on
+# tinygemm there; bench/results/GPU_NOTES.md session 13, call 6).
+CUBLASLT_FROM_BUCKET = 32
+GRAPH_BLAS_CHOICES = ("cublas", "cublaslt")
+
+
+def graph_blas(bucket: int, env: str = "") -> str:
+    """The BLAS library torch calls for the GEMMs captured in ``bucket``'s graph: ``env`` (the value
+    of ``HALFMOON_DECODE_GRAPH_BLAS``) when set, else "cublaslt" from :data:`CUBLASLT_FROM_BUCKET`
+    up and "cublas" below. Raises ValueError on any other ``env`` value."""
+    if env:
+        if env not in GRAPH_BLAS_CHOICES:
+            raise ValueError(f"HALFMOON_DECODE_GRAPH_BLAS={env!r}: expected one of {GRAPH_BLAS_CHOICES}")
+        return env
+    return "cublaslt" if bucket >= CUBLASLT_FROM_BUCKET else "cublas"
 
 
 class _Planned(AttentionBackend):
@@ -152,12 +169,10 @@ class CudaGraphRunner:
         self.indices[: j.numel()].copy_(pages)
 
     def _capture(self, b: int) -> None:
-        # the BLAS library torch calls for the captured GEMMs (env HALFMOON_DECODE_GRAPH_BLAS =
-        # "cublas" | "cublaslt"; unset: torch's default); the choice is baked into the graph
-        lib = os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", "")
+        # the BLAS library of the captured GEMMs (see graph_blas) is baked into the graph
+        lib = graph_blas(b, os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", ""))
         before = torch.backends.cuda.preferred_blas_library()
-        if lib:
-            torch.backends.cuda.preferred_blas_library(lib)
+        torch.backends.cuda.preferred_blas_library(lib)
         try:
             self._capture_with_current_blas(b)
         finally:

@@ -48,6 +48,17 @@ def test_page_table_of_an_empty_row_has_no_page():
     assert last.tolist() == [2, 0, 4]
 
 
+def test_graph_blas_is_cublaslt_from_bucket_32_unless_the_env_says():
+    from engine.cuda_graph_runner import CUBLASLT_FROM_BUCKET, DEFAULT_BUCKETS, graph_blas
+
+    assert CUBLASLT_FROM_BUCKET == 32
+    assert [graph_blas(b) for b in DEFAULT_BUCKETS[:8]] == ["cublas"] * 7 + ["cublaslt"]  # 1..24 | 32
+    assert all(graph_blas(b) == "cublaslt" for b in DEFAULT_BUCKETS if b >= 32)
+    assert graph_blas(128, "cublas") == "cublas" and graph_blas(1, "cublaslt") == "cublaslt"
+    with pytest.raises(ValueError, match="HALFMOON_DECODE_GRAPH_BLAS='cublass'"):
+        graph_blas(8, "cublass")
+
+
 def test_graph_page_ids_match_page_table():
     # the CUDA graph gathers page ids itself from the planned indptr (fixed shape); the same tensor ops
     # run on the CPU here against page_table for random rows, lengths and a padded bucket
