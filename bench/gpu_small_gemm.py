@@ -2,7 +2,7 @@
 shapes, M = batch rows), per GEMM torch or flashinfer can call, as TB/s of weight read.
 
 Libraries: cuBLAS and cuBLASLt (``F.linear`` under each of torch's BLAS choices) at every M, and at
-M <= 8 flashinfer's tinygemm (``engine.fused_ops`` mode "tinygemm_nopdl") and tinygemm with
+M <= 8 flashinfer's tinygemm (``engine.small_m_gemm`` mode "tinygemm_nopdl") and tinygemm with
 programmatic dependent launch ("tinygemm": each GEMM starts streaming its weights while the one
 before it finishes). Each point times a CUDA graph of 16 back-to-back GEMMs on 16 distinct weights
 (so no call reads a weight from L2 that the previous one left there), replayed 20 times: device time

@@ -14,13 +14,8 @@
   kernels before); env ``HALFMOON_FUSED_ROPE_STORE=0``, or no Triton, keeps flashinfer's RoPE and
   ``KVPool.write``;
 * SiLU(gate) * up -> ``flashinfer.activation.silu_and_mul``;
-* the o and down projections of a batch of at most :data:`SMALL_M_ROWS` rows (decode at small
-  batch) -> ``flashinfer.gemm.tinygemm_bf16`` on sm90+ (bf16): a weight-streaming GEMM with no
-  split-K reduce kernel that starts reading its weights before the previous kernel ends
-  (programmatic dependent launch). Measured on an H200 (Llama-3.1-8B shapes, graph decode): -0.10 to
-  -0.13 ms a step at B = 1-8 against cuBLAS; on q/k/v and gate/up it is slower than cuBLAS, so they
-  stay there. Env ``HALFMOON_SMALL_M_GEMM`` / ``HALFMOON_SMALL_M_GEMM_ON`` override (see
-  :func:`small_m_gemm_mode`, :func:`small_m_projections`);
+* the o and down projections of a batch of at most 8 rows (decode at small batch) ->
+  ``flashinfer.gemm.tinygemm_bf16`` on sm90+ (bf16): see :mod:`engine.small_m_gemm`;
 * each residual add and the RMSNorm after it -> ``flashinfer.norm.fused_add_rmsnorm`` (one kernel,
   in place), the layers passing ``(hidden, residual)`` to each other as in sglang's Llama.
 
@@ -42,52 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kvcache.rope_kv_store import rope_kv_store
-
-SMALL_M_ROWS = 8  # tinygemm's batch tile: up to 8 rows read each weight once
-SMALL_M_MODES = ("auto", "cublas", "tinygemm", "tinygemm_nopdl")
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
-DEFAULT_SMALL_M_PROJECTIONS = ("o", "down")  # where tinygemm beat cuBLAS (GPU_NOTES session 13)
-
-
-def small_m_gemm_mode(tinygemm_available: bool = True) -> str:
-    """The GEMM for batches of <= :data:`SMALL_M_ROWS` rows, from env ``HALFMOON_SMALL_M_GEMM``:
-    "cublas" (``F.linear``), "tinygemm" (flashinfer's tinygemm with programmatic dependent
-    launch), "tinygemm_nopdl", or "auto" (the default: tinygemm when ``tinygemm_available``, else
-    cublas). Raises ValueError on any other value, or for tinygemm when it is not available."""
-    mode = os.environ.get("HALFMOON_SMALL_M_GEMM", "auto")
-    if mode not in SMALL_M_MODES:
-        raise ValueError(f"HALFMOON_SMALL_M_GEMM={mode!r}: expected one of {SMALL_M_MODES}")
-    if mode == "auto":
-        return "tinygemm" if tinygemm_available else "cublas"
-    if mode.startswith("tinygemm") and not tinygemm_available:
-        raise ValueError(f"HALFMOON_SMALL_M_GEMM={mode!r}: tinygemm needs an sm90+ GPU and a flashinfer with it")
-    return mode
-
-
-def tinygemm_available(device: torch.device, flashinfer) -> bool:
-    """flashinfer has ``gemm.tinygemm_bf16`` and ``device`` is sm90 or newer (its TMA loads)."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-            and hasattr(getattr(flashinfer, "gemm", None), "tinygemm_bf16"))
-
-
-def small_m_projections() -> frozenset[str]:
-    """Which projections the small-batch GEMM takes, from env ``HALFMOON_SMALL_M_GEMM_ON`` (a comma
-    list of :data:`PROJECTIONS`; default :data:`DEFAULT_SMALL_M_PROJECTIONS`). Raises ValueError
-    naming an unknown one."""
-    names = [n.strip() for n in os.environ.get("HALFMOON_SMALL_M_GEMM_ON", ",".join(DEFAULT_SMALL_M_PROJECTIONS)).split(",")]
-    bad = [n for n in names if n not in PROJECTIONS]
-    if bad:
-        raise ValueError(f"HALFMOON_SMALL_M_GEMM_ON: unknown projection(s) {bad}; expected some of {PROJECTIONS}")
-    return frozenset(names)
-
-
-def takes_small_m_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x [T, K] @ weight[N, K].T`` fits tinygemm: T <= SMALL_M_ROWS, bf16, both
-    contiguous, N % 16 == 0 (its weight tile), K % 64 == 0 (its TMA box)."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16 and x.is_contiguous() and weight.is_contiguous()
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % 64 == 0 and x.shape[1] == weight.shape[1])
-
+from engine.small_m_gemm import small_m_gemm_mode, small_m_projections, takes_small_m_gemm, tinygemm_available
 
 def fused_ops_supported(model) -> bool:
     """True for a model on CUDA in bf16/fp16 with flashinfer importable."""

@@ -1,6 +1,6 @@
-"""The small-batch GEMM seam of the fused GPU path (``engine.fused_ops``): which mode the env picks,
-which projections tinygemm takes, and (GPU) that its outputs match cuBLAS and the model still
-matches transformers with it on, in CUDA-graph decode."""
+"""The small-batch GEMM choice of the fused GPU path (``engine.small_m_gemm``, used by
+``engine.fused_ops``): which mode the env picks, which projections tinygemm takes, and (GPU) that its
+outputs match cuBLAS and the model still matches transformers with it on, in CUDA-graph decode."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.fused_ops import (DEFAULT_SMALL_M_PROJECTIONS, PROJECTIONS, SMALL_M_ROWS, small_m_gemm_mode,
+from engine.small_m_gemm import (DEFAULT_SMALL_M_PROJECTIONS, PROJECTIONS, SMALL_M_ROWS, small_m_gemm_mode,
                               small_m_projections, takes_small_m_gemm)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
