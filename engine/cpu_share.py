@@ -54,9 +54,13 @@ DEFAULT_MIN_IDLE = 0.6
 # benchmark client and P beside D; bench.cpu_peer, 16 requests, 2 interleaved reps, 3 runs) gave D
 # 1.02-1.12x the output tok/s with 0 than with 0.6 on random and shared-prefix prompts at c=1 and
 # c=8, 15 of 16 rep pairs ahead: the router's and client's use of the second core comes in short
-# bursts per token, which a 2-thread step absorbs better than the steady busy loop above. P keeps
-# DEFAULT_MIN_IDLE (not measured without it).
+# bursts per token, which a 2-thread step absorbs better than the steady busy loop above.
 DECODE_MIN_IDLE = 0.0
+# A prefill worker's default: none either. The same box and benchmark, D at 0, P at 0 vs 0.6 (2
+# runs, variant order swapped): c=1 P at 0 was ahead in 8 of 8 rep pairs (random 1.01-1.11x tok/s,
+# shared-prefix 1.04-1.07x, TTFT p50 equal or lower); c=8 within noise (random 0.98-0.99x,
+# shared-prefix 1.00-1.03x; TTFT p50 favoured whichever stack ran first in both runs).
+PREFILL_MIN_IDLE = 0.0
 
 
 def _machine_busy_s() -> float | None:

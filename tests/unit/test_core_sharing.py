@@ -60,7 +60,7 @@ def test_min_idle_flag_is_a_share_of_a_core():
 
     from pd_common.cpu_share import add_cpu_share_argument
 
-    for role, default in (("prefill", 0.6), ("decode", 0.0)):  # decode: no idle-core test by default
+    for role, default in (("prefill", 0.0), ("decode", 0.0)):  # no idle-core test by default
         ap = argparse.ArgumentParser()
         add_cpu_share_argument(ap, role)
         assert ap.parse_args([]).cpu_share_min_idle == default, role
