@@ -1,15 +1,24 @@
 # Sourced (from the repository root, on the GPU machine) by the per-call scripts under
 # bench/results/gpu_s*/: installs the carried wheels (.whl/) into /tmp/site, restores compiled
-# flashinfer ops from gpu-cache/flashinfer-so.tar.gz as AOT modules (no JIT; flashinfer 0.6.18
-# rebuilds a JIT-cache .so unless ninja's .o files are there too), and defines `step NAME`, a
-# section header with the seconds since this file was sourced.
+# flashinfer ops from gpu-cache/*-so.tar.gz as AOT modules (no JIT; flashinfer 0.6.18 rebuilds a
+# JIT-cache .so unless ninja's .o files are there too), and defines `step NAME`, a section header
+# with the seconds since this file was sourced, and `gpu_tests`, the GPU unit tests by file (the GPU
+# machine lacks the services' packages, so `pytest -m gpu tests/unit` as a whole stops at collection)
+# printing only the summary and failed asserts.
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0
 site=/tmp/site; mkdir -p $site
 python3 -m pip install -q --no-index --no-deps --no-compile --target $site .whl/*.whl 2>&1 | grep -v "already exists"
 export PYTHONPATH=$site:$PWD
-if [ -f gpu-cache/flashinfer-so.tar.gz ]; then
-  tmp=$(mktemp -d) && tar -xzf gpu-cache/flashinfer-so.tar.gz -C $tmp && mkdir -p $site/flashinfer/data/aot &&
+for tgz in gpu-cache/*-so.tar.gz; do  # flashinfer-so, tinygemm-so, ...: .so trees from earlier calls
+  [ -f "$tgz" ] || continue
+  tmp=$(mktemp -d) && tar -xzf "$tgz" -C $tmp && mkdir -p $site/flashinfer/data/aot &&
   for d in $tmp/flashinfer/*/*/cached_ops/*/; do cp -r "$d" $site/flashinfer/data/aot/; done
-fi
+done
 t0=$(date +%s)
 step() { echo "=== $1 (t=$(( $(date +%s) - t0 ))s)"; }
+gpu_tests() {
+  python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/unit/test_rope_kv_store.py \
+    tests/unit/test_small_m_gemm.py tests/unit/test_gpu_flashinfer.py tests/unit/test_flashinfer_plan_fence.py \
+    tests/unit/test_engine_archs.py tests/unit/test_gpu_pd.py 2>&1 | grep -E "^E |passed|failed|^FAILED|rror" \
+    | cut -c1-300 | head -16
+}

@@ -4,7 +4,6 @@
 # on the projections where it beat cuBLAS alone at M = 1 ("best"), on o + down, and off, interleaved.
 set -u
 source scripts/gpu_call_env.sh
-tar -xzf "${TINYGEMM_SO:-gpu-cache/tinygemm-so.tar.gz}" -C /tmp && cp -r /tmp/flashinfer/*/*/cached_ops/tinygemm2 $site/flashinfer/data/aot/
 step small_gemm
 python3 -m bench.gpu small_gemm --out /tmp/g.json 2>&1 | grep -E "small_gemm|Error" | cut -c1-100
 best=$(python3 -c "

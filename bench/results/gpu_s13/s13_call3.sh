@@ -4,7 +4,6 @@
 # decode default vs cuBLAS interleaved twice on the grid, and the default's graph profile.
 set -u
 source scripts/gpu_call_env.sh
-tar -xzf gpu-cache/tinygemm-so.tar.gz -C /tmp && cp -r /tmp/flashinfer/*/*/cached_ops/tinygemm2 $site/flashinfer/data/aot/
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 step "unit GPU tests"
 python3 -m pytest -m gpu -q -p no:cacheprovider tests/unit --tb=short 2>&1 | grep -E "^E |passed|failed|^FAILED" | cut -c1-300 | head -20

@@ -4,11 +4,8 @@
 # HALFMOON_ROPE_STORE_PDL=0 vs q/k/v also on tinygemm, interleaved twice; prefill + prefill_parts.
 set -u
 source scripts/gpu_call_env.sh
-tar -xzf gpu-cache/tinygemm-so.tar.gz -C /tmp && cp -r /tmp/flashinfer/*/*/cached_ops/tinygemm2 $site/flashinfer/data/aot/
 step "GPU tests"
-python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/unit/test_rope_kv_store.py tests/unit/test_small_m_gemm.py \
-  tests/unit/test_gpu_flashinfer.py tests/unit/test_flashinfer_plan_fence.py tests/unit/test_engine_archs.py \
-  tests/unit/test_gpu_pd.py 2>&1 | grep -E "^E |passed|failed|^FAILED|rror" | cut -c1-300 | head -16
+gpu_tests
 for i in 1 2; do
   for v in default nopdl qkv; do
     step "decode $v $i"

@@ -4,7 +4,6 @@
 # kernel); xqa is JIT-compiled here and its .so comes back in $OUT.
 set -u
 source scripts/gpu_call_env.sh
-tar -xzf gpu-cache/tinygemm-so.tar.gz -C /tmp && cp -r /tmp/flashinfer/*/*/cached_ops/tinygemm2 $site/flashinfer/data/aot/
 step xqa_micro
 timeout 420 python3 -m bench.gpu xqa_micro --out /tmp/x.json 2>&1 | grep -v '^{' | grep -E "xqa_micro|Error|error" | cut -c1-200 | head -20
 (cd ~/.cache && find flashinfer -name '*.so' | tar -czf "$OUT/xqa-so.tar.gz" -T -) 2>/dev/null

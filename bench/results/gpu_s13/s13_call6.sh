@@ -4,7 +4,6 @@
 # interleaved twice over B = 1, 8, 16, 32, 64, 128 and ctx 1k, 4k.
 set -u
 source scripts/gpu_call_env.sh
-tar -xzf gpu-cache/tinygemm-so.tar.gz -C /tmp && cp -r /tmp/flashinfer/*/*/cached_ops/tinygemm2 $site/flashinfer/data/aot/
 for i in 1 2; do
   for lib in default cublaslt; do
     step "decode $lib $i"
