@@ -3,7 +3,8 @@ heads, bf16, page 16, pages shuffled) as the decode graph runs it today (flashin
 tensor-core decode wrapper: split-KV kernel + merge kernel per layer) against flashinfer's ``xqa``
 (TensorRT-LLM's XQA decode kernel: one kernel per layer, the split-KV partials merged in-kernel by
 the last CTA of each (request, kv head), no host plan), both captured in one CUDA graph of 32 calls
-on 32 distinct layers' KV (no layer reads another's KV from L2). Reports µs per layer, TB/s of KV
+on 32 distinct layers' KV (no layer reads another's KV from L2; 4 layers where 32 would pass 16 GB:
+B = 128 at ctx 4k). Reports µs per layer, TB/s of KV
 read and the largest |difference| between the two outputs (the same attention; bf16 rounding apart).
 
 A question for the decode step, not a feature: session 11's graph profile put attention + merge at

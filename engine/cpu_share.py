@@ -45,11 +45,12 @@ _RECORD = struct.Struct("<iIII")
 _BUSY = 4      # offsets inside a record
 _THREADS = 8
 
-# A thread beyond the share needs a core others leave this idle. Measured on a 2-core box (B=8 ctx
-# 640 decode step, 2 vs 1 threads, a busy loop taking part of a core): others at 0.15 core 34.6 vs
-# 41.6 ms, 0.3 core 36.0 vs 39.2, 0.5 core 40.5 vs 36.5; break-even ~0.4. Served 1P1D shared-prefix
-# c=8: TPOT 38-41 ms at 0.75 (D often left on one thread by the router + client) vs 34-38 at 0.6.
-DEFAULT_MIN_IDLE = 0.6
+# Where something else holds part of the second core steadily, a thread beyond the share pays only
+# if that core is at least this idle. Measured on a 2-core box (B=8 ctx 640 decode step, 2 vs 1
+# threads, a busy loop taking part of a core): others at 0.15 core 34.6 vs 41.6 ms, 0.3 core 36.0 vs
+# 39.2, 0.5 core 40.5 vs 36.5; break-even ~0.4. The library's default (CpuShare); the workers' flags
+# default to PREFILL_MIN_IDLE / DECODE_MIN_IDLE below, measured in served runs.
+STEADY_LOAD_MIN_IDLE = 0.6
 # A decode worker's default: no idle-core test. Served 1P1D runs on a 2-core Zen 4 box (router,
 # benchmark client and P beside D; bench.cpu_peer, 16 requests, 2 interleaved reps, 3 runs) gave D
 # 1.02-1.12x the output tok/s with 0 than with 0.6 on random and shared-prefix prompts at c=1 and
@@ -58,8 +59,8 @@ DEFAULT_MIN_IDLE = 0.6
 DECODE_MIN_IDLE = 0.0
 # A prefill worker's default: none either. The same box and benchmark, D at 0, P at 0 vs 0.6 (2
 # runs, variant order swapped): c=1 P at 0 was ahead in 8 of 8 rep pairs (random 1.01-1.11x tok/s,
-# shared-prefix 1.04-1.07x, TTFT p50 equal or lower); c=8 within noise (random 0.98-0.99x,
-# shared-prefix 1.00-1.03x; TTFT p50 favoured whichever stack ran first in both runs).
+# shared-prefix 1.04-1.07x, TTFT p50 equal or lower); c=8 within noise (random 0.98-0.99x, its TTFT
+# p50 favouring whichever stack ran first; shared-prefix 1.00-1.03x).
 PREFILL_MIN_IDLE = 0.0
 
 
@@ -138,7 +139,7 @@ class CpuShare:
 
     def __init__(self, path: Path, mm: mmap.mmap, index: int, share: int,
                  apply: Callable[[int], None], on_threads: Callable[[int], None] | None,
-                 other_cpu: OtherCpu | None = None, min_idle: float = DEFAULT_MIN_IDLE):
+                 other_cpu: OtherCpu | None = None, min_idle: float = STEADY_LOAD_MIN_IDLE):
         self.path = path
         self._mm = mm
         self.index = index
@@ -179,7 +180,7 @@ class CpuShare:
     @classmethod
     def open(cls, path: str | os.PathLike, share: int, apply: Callable[[int], None] | None = None,
              on_threads: Callable[[int], None] | None = None, other_cpu: OtherCpu | None = None,
-             min_idle: float = DEFAULT_MIN_IDLE) -> "CpuShare":
+             min_idle: float = STEADY_LOAD_MIN_IDLE) -> "CpuShare":
         """Claim a free record of the share file at ``path`` for this process (``other_cpu``,
         ``min_idle`` in [0, 1]: the idle-core test of the module docstring).
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from engine.kvcache.rope_kv_store import rope_kv_store
 from engine.small_m_gemm import small_m_gemm_mode, small_m_projections, takes_small_m_gemm, tinygemm_available
 
+
 def fused_ops_supported(model) -> bool:
     """True for a model on CUDA in bf16/fp16 with flashinfer importable."""
     p = next(model.parameters())
@@ -68,7 +69,7 @@ class FusedOps:
         # RoPE + K/V store in one kernel (see the module docstring); read once, at enable time
         self.rope_store = (os.environ.get("HALFMOON_FUSED_ROPE_STORE", "1") != "0"
                            and importlib.util.find_spec("triton") is not None)
-        mode = small_m_gemm_mode(tinygemm_available(dev, flashinfer))
+        mode = small_m_gemm_mode(tinygemm_available(dev, flashinfer), next(model.parameters()).dtype)
         self.small_m = None if mode == "cublas" else flashinfer.gemm.tinygemm_bf16
         self.small_m_pdl = mode == "tinygemm"
         self.small_m_on = small_m_projections()

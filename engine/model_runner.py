@@ -17,12 +17,14 @@ the same way::
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import create_backend, resolve_backend_name
+from engine.cuda_graph_runner import graph_blas
 from engine.config import EngineConfig, served_context
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.kv_pool import KVPool, pages_for_budget
@@ -31,6 +33,7 @@ from engine.models.model_loader import load_model
 from engine.models.llama import LlamaForCausalLM
 from engine.kvcache.page_allocator import PageAllocator
 from engine.kvcache.req_to_token_pool import ReqToTokenPool
+from engine.small_m_gemm import small_m_gemm_mode, small_m_projections
 
 if TYPE_CHECKING:
     from engine.distributed.group import FollowerSpec, TPGroup
@@ -51,6 +54,10 @@ class ModelRunner:
         Raises InvalidRequestError(field="tp") when the model's heads cannot be split over ``tp_size``.
         """
         cpu_linear = CpuLinear.parse(config.cpu_linear)  # before anything is allocated
+        # the GPU decode path's env switches too (engine.small_m_gemm, engine.cuda_graph_runner)
+        small_m_gemm_mode()
+        small_m_projections()
+        graph_blas(1, os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", ""))
         config.apply_threads()
         self.config = config
         self.dtype = config.torch_dtype

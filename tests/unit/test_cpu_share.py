@@ -67,7 +67,7 @@ def test_busy_worker_takes_idle_cores_and_gives_them_back(tmp_path):
     (2, 0.1, 0.75, 2),    # the second core is idle
     (2, 0.3, 0.75, 1),    # the router or a client keeps part of it busy: stay on the share
     (2, 0.3, 0.5, 2),
-    (2, 0.35, 0.6, 2),    # the default: others up to 0.4 of the second core still leave it to us
+    (2, 0.35, 0.6, 2),    # CpuShare's default: others up to 0.4 of the second core still leave it to us
     (2, 0.45, 0.6, 1),
     (2, 1.5, 0.0, 2),     # 0: the share file alone decides
     (8, 2.2, 0.75, 6),    # 5.8 cores idle: 6 threads (the last core 0.8 idle)

@@ -174,9 +174,10 @@ def test_model_matches_transformers_on_gpu(shape):
 
 @pytest.mark.gpu
 @cuda
-def test_graph_decode_equals_eager_and_pads_safely():
-    """A decode batch of 3 (bucket 4) through the graph equals the eager forward, and the pad entry
-    writes only the scratch page."""
+@pytest.mark.parametrize("n_req,max_bs,bucket", [(3, 8, 4), (29, 32, 32)])
+def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket):
+    """A decode batch of 3 (bucket 4: o/down on tinygemm) or 29 (bucket 32: captured under cuBLASLt)
+    through the graph equals the eager forward, and the pad entries write only the scratch page."""
     from engine.config import EngineConfig
     from engine.forward_batch import ForwardBatch, ForwardMode
     from engine.model_runner import ModelRunner
@@ -191,11 +192,12 @@ def test_graph_decode_equals_eager_and_pads_safely():
     cfg.update(TINY, num_hidden_layers=2)  # head_dim 128: the kernels the benchmarks compile anyway
     (Path(tmp) / "config.json").write_text(json.dumps(cfg))
     r = ModelRunner(EngineConfig(model=tmp, load_format="dummy", dtype="bfloat16", device="cuda",
-                                 num_pages=64, max_running_requests=8, max_context=512, cuda_graph_max_bs=8))
-    assert r.graph_runner is not None and 4 in r.graph_runner.buckets
+                                 num_pages=256, max_running_requests=max_bs, max_context=512,
+                                 cuda_graph_max_bs=max_bs))
+    assert r.graph_runner is not None and r.graph_runner.bucket_for(n_req) == bucket
     for buf in r.kv_pool.buffers():
         buf.normal_()
-    rows, locs, lens = [], [], [5, 40, 17]
+    rows, locs, lens = [], [], ([5, 40, 17] + [3 + 7 * i % 60 for i in range(n_req - 3)])[:n_req]
     for n in lens:
         row = r.req_to_token_pool.alloc()
         s = r.allocator.alloc_slots(0, n + 1, None)
@@ -208,7 +210,7 @@ def test_graph_decode_equals_eager_and_pads_safely():
         return [t for i in range(pool.num_layers) for t in (pool.k_pages(i), pool.v_pages(i))]
 
     before = [t.clone() for t in views()]
-    batch = ForwardBatch.build(ForwardMode.DECODE, rows, lens, [[1], [2], [3]],
+    batch = ForwardBatch.build(ForwardMode.DECODE, rows, lens, [[i + 1] for i in range(n_req)],
                                torch.stack([s[n] for s, n in zip(locs, lens)]), "cuda")
     got = r.forward(batch).clone()
     with torch.inference_mode():

@@ -1,6 +1,6 @@
 """The small-batch GEMM choice of the fused GPU path (``engine.small_m_gemm``, used by
 ``engine.fused_ops``): which mode the env picks, which projections tinygemm takes, and (GPU) that its
-outputs match cuBLAS and the model still matches transformers with it on, in CUDA-graph decode."""
+outputs match an fp32 reference and the model still matches transformers with it on, in CUDA-graph decode."""
 
 from __future__ import annotations
 
@@ -28,9 +28,25 @@ def test_mode_comes_from_env_and_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", "tinygemm")
     with pytest.raises(ValueError, match="sm90"):  # asked for, not there: said, not ignored
         small_m_gemm_mode(False)
+    with pytest.raises(ValueError, match="bfloat16"):  # tinygemm is bf16 only
+        small_m_gemm_mode(True, torch.float16)
+    monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", "auto")
+    assert small_m_gemm_mode(True, torch.bfloat16) == "tinygemm"
+    assert small_m_gemm_mode(True, torch.float16) == "cublas"
     monkeypatch.setenv("HALFMOON_SMALL_M_GEMM", "tinygem")
     with pytest.raises(ValueError, match="HALFMOON_SMALL_M_GEMM='tinygem'"):
         small_m_gemm_mode(True)
+
+
+@pytest.mark.parametrize("var,value", [("HALFMOON_SMALL_M_GEMM", "fast"), ("HALFMOON_SMALL_M_GEMM_ON", "lm_head"),
+                                       ("HALFMOON_DECODE_GRAPH_BLAS", "cublass")])
+def test_model_runner_rejects_a_bad_switch_before_loading_anything(monkeypatch, var, value):
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):  # the model path does not exist: nothing was loaded
+        ModelRunner(EngineConfig(model="/nonexistent/model", load_format="dummy"))
 
 
 def test_projections_come_from_env_and_reject_unknown_names(monkeypatch):
@@ -40,9 +56,42 @@ def test_projections_come_from_env_and_reject_unknown_names(monkeypatch):
     assert small_m_projections() == frozenset(PROJECTIONS)
     monkeypatch.setenv("HALFMOON_SMALL_M_GEMM_ON", "o, down")
     assert small_m_projections() == {"o", "down"}
+    monkeypatch.setenv("HALFMOON_SMALL_M_GEMM_ON", "")
+    assert small_m_projections() == frozenset()  # none: every projection on cuBLAS
     monkeypatch.setenv("HALFMOON_SMALL_M_GEMM_ON", "o,lm_head")
     with pytest.raises(ValueError, match="lm_head"):
         small_m_projections()
+
+
+class _Row(torch.nn.Linear):
+    """Stands in for a tensor-parallel row-parallel projection: a Linear subclass with its own call."""
+
+    def forward(self, x):
+        return torch.full((x.shape[0], self.out_features), 7.0, dtype=x.dtype)
+
+
+def test_linear_and_project_dispatch_by_projection_size_and_module_type():
+    from engine.fused_ops import FusedOps
+
+    calls = []
+
+    def fake_tinygemm(x, w, out, bias, pdl):  # records and writes a recognisable value
+        calls.append((x.shape[0], w.shape[0], bias is not None, pdl))
+        out.fill_(3.0)
+
+    ops = FusedOps.__new__(FusedOps)  # the dispatch only: no model, no flashinfer
+    ops.small_m, ops.small_m_pdl, ops.small_m_on, ops.small_m_calls = fake_tinygemm, True, frozenset({"o", "down"}), 0
+    bf = torch.bfloat16
+    x, w, b = torch.ones(2, 64, dtype=bf), torch.ones(32, 64, dtype=bf), torch.ones(32, dtype=bf)
+    assert (ops.linear("o", x, w, b) == 3).all() and calls == [(2, 32, True, True)]
+    assert (ops.linear("qkv", x, w, b) == 65).all()  # not enabled for q/k/v: F.linear (64 + bias 1)
+    assert (ops.linear("o", torch.ones(9, 64, dtype=bf), w) == 64).all()  # 9 rows: a second tile, cuBLAS
+    lin = torch.nn.Linear(64, 32, bias=False).to(bf)
+    calls.clear()
+    assert (ops.project("down", lin, torch.ones(1, 64, dtype=bf)) == 3).all() and calls == [(1, 32, False, True)]
+    row = _Row(64, 32, bias=False).to(bf)
+    assert (ops.project("down", row, torch.ones(1, 64, dtype=bf)) == 7).all() and len(calls) == 1  # its own call
+    assert ops.small_m_calls == 2
 
 
 def test_only_small_contiguous_bf16_tile_aligned_gemms_qualify():
@@ -63,7 +112,7 @@ def test_only_small_contiguous_bf16_tile_aligned_gemms_qualify():
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("pdl", [False, True])
-def test_tinygemm_matches_cublas_on_decode_shapes(pdl):
+def test_tinygemm_matches_an_fp32_reference_on_decode_shapes(pdl):
     import flashinfer
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -80,9 +129,11 @@ def test_tinygemm_matches_cublas_on_decode_shapes(pdl):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("mode,on", [("auto", None), ("tinygemm", "qkv,o,gate_up,down"),
-                                     ("tinygemm_nopdl", "qkv,o,gate_up,down")])
-def test_model_matches_transformers_with_tinygemm(monkeypatch, mode, on):
+@pytest.mark.parametrize("shape,mode,on", [("llama-3.1-8b", "auto", None),
+                                           ("llama-3.1-8b", "tinygemm", "qkv,o,gate_up,down"),
+                                           ("llama-3.1-8b", "tinygemm_nopdl", "qkv,o,gate_up,down"),
+                                           ("qwen2.5-7b", "tinygemm", "qkv,o,down")])  # q/k/v bias
+def test_model_matches_transformers_with_tinygemm(monkeypatch, shape, mode, on):
     from bench.gpu import model_vs_transformers
     from tests.unit.test_gpu_flashinfer import TINY
 
@@ -92,7 +143,7 @@ def test_model_matches_transformers_with_tinygemm(monkeypatch, mode, on):
     else:
         monkeypatch.setenv("HALFMOON_SMALL_M_GEMM_ON", on)
     with tempfile.TemporaryDirectory() as tmp:
-        bf = model_vs_transformers("llama-3.1-8b", 2, "bf16", tmp, overrides=TINY)
+        bf = model_vs_transformers(shape, 2, "bf16", tmp, overrides=TINY)
     assert bf["cuda_graph"] and bf["fused_ops"], bf
     assert bf["small_m_gemm_calls"] > 0, bf  # the decode graphs' projections took tinygemm
     assert bf["rel_err_vs_hf_fp32"] <= 2e-2, bf
