@@ -45,7 +45,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 # Buckets from this size up are captured under cuBLASLt: on the H200 (Llama-3.1-8B shapes) its o and
 # down kernels at M = 32-128 beat cuBLAS's (B=32 -0.07, B=64 -0.15 to -0.18, B=128 ctx 4k -0.1 to
 # -0.19 ms a step), while at B=16 it lost 0.07 ms and at B <= 8 the two are equal (o/down run on
-# tinygemm there; bench/results/GPU_NOTES.md session 13, call 6).
+# tinygemm there; bench/results/GPU_NOTES.md session 13, call 6). It applies on every GPU and dtype;
+# only the H200 with bf16 Llama-8B shapes was measured.
 CUBLASLT_FROM_BUCKET = 32
 GRAPH_BLAS_CHOICES = ("cublas", "cublaslt")
 
