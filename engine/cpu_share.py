@@ -49,19 +49,18 @@ _THREADS = 8
 # if that core is at least this idle. Measured on a 2-core box (B=8 ctx 640 decode step, 2 vs 1
 # threads, a busy loop taking part of a core): others at 0.15 core 34.6 vs 41.6 ms, 0.3 core 36.0 vs
 # 39.2, 0.5 core 40.5 vs 36.5; break-even ~0.4. The library's default (CpuShare); the workers' flags
-# default to PREFILL_MIN_IDLE / DECODE_MIN_IDLE below, measured in served runs.
+# default to WORKER_MIN_IDLE below, measured in served runs.
 STEADY_LOAD_MIN_IDLE = 0.6
-# A decode worker's default: no idle-core test. Served 1P1D runs on a 2-core Zen 4 box (router,
-# benchmark client and P beside D; bench.cpu_peer, 16 requests, 2 interleaved reps, 3 runs) gave D
-# 1.02-1.12x the output tok/s with 0 than with 0.6 on random and shared-prefix prompts at c=1 and
-# c=8, 15 of 16 rep pairs ahead: the router's and client's use of the second core comes in short
-# bursts per token, which a 2-thread step absorbs better than the steady busy loop above.
-DECODE_MIN_IDLE = 0.0
-# A prefill worker's default: none either. The same box and benchmark, D at 0, P at 0 vs 0.6 (2
-# runs, variant order swapped): c=1 P at 0 was ahead in 8 of 8 rep pairs (random 1.01-1.11x tok/s,
-# shared-prefix 1.04-1.07x, TTFT p50 equal or lower); c=8 within noise (random 0.98-0.99x, its TTFT
-# p50 favouring whichever stack ran first; shared-prefix 1.00-1.03x).
-PREFILL_MIN_IDLE = 0.0
+# A worker's default (prefill and decode): no idle-core test. Served 1P1D runs on a 2-core Zen 4 box
+# (router, benchmark client and the other worker beside it; bench.cpu_peer, 16 requests, 2
+# interleaved reps): D at 0 vs 0.6 (3 runs) gave 1.02-1.12x the output tok/s on random and
+# shared-prefix prompts at c=1 and c=8, 15 of 16 rep pairs ahead; then P at 0 vs 0.6 with D at 0 (2
+# runs, variant order swapped) was ahead in 8 of 8 rep pairs at c=1 (random 1.01-1.11x, shared-prefix
+# 1.04-1.07x, TTFT p50 equal or lower) and within noise at c=8 (random 0.98-0.99x, its TTFT p50
+# favouring whichever stack ran first; shared-prefix 1.00-1.03x). The router's and client's use of
+# the second core comes in short bursts per token, which a 2-thread forward absorbs better than the
+# steady busy loop above.
+WORKER_MIN_IDLE = 0.0
 
 
 def _machine_busy_s() -> float | None:

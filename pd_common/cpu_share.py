@@ -7,16 +7,16 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine.cpu_share import DECODE_MIN_IDLE, PREFILL_MIN_IDLE, CpuShare, CpuShareError, NoCpuShare
+from engine.cpu_share import WORKER_MIN_IDLE, CpuShare, CpuShareError, NoCpuShare
 from telemetry import metrics as M
 
 log = logging.getLogger("halfmoon.worker")
 
 
-def add_cpu_share_argument(parser: argparse.ArgumentParser, role: str) -> None:
-    """``--cpu-share`` and ``--cpu-share-min-idle`` (default by ``role``, "prefill" | "decode":
-    engine.cpu_share's PREFILL_MIN_IDLE / DECODE_MIN_IDLE, where the measurements are)."""
-    min_idle = DECODE_MIN_IDLE if role == "decode" else PREFILL_MIN_IDLE
+def add_cpu_share_argument(parser: argparse.ArgumentParser) -> None:
+    """``--cpu-share`` and ``--cpu-share-min-idle`` (default engine.cpu_share's WORKER_MIN_IDLE, where
+    the measurements are)."""
+    min_idle = WORKER_MIN_IDLE
     parser.add_argument("--cpu-share", default=None, metavar="PATH",
                         help="share file of the CPU workers on this machine (halfmoon up makes one): "
                              "while the other workers are idle this one computes on all cores, while "

@@ -128,7 +128,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--tp-timeout", type=non_negative_float, default=30.0,
                         help="seconds any tensor-parallel collective may take before the worker stops")
     add_cluster_auth_args(parser)
-    add_cpu_share_argument(parser, role)
+    add_cpu_share_argument(parser)
 
 
 def load_credentials(args) -> ClusterCredentials:

@@ -58,11 +58,11 @@ def test_up_flag():
 def test_min_idle_flag_is_a_share_of_a_core():
     import argparse
 
-    from pd_common.cpu_share import add_cpu_share_argument
+    from pd_common.worker_runtime import add_common_arguments
 
     for role, default in (("prefill", 0.0), ("decode", 0.0)):  # no idle-core test by default
         ap = argparse.ArgumentParser()
-        add_cpu_share_argument(ap, role)
+        add_common_arguments(ap, role)  # each worker role's own parser
         assert ap.parse_args([]).cpu_share_min_idle == default, role
         assert ap.parse_args(["--cpu-share-min-idle", "0.3"]).cpu_share_min_idle == 0.3
         for bad in ("1.5", "-0.1", "x"):
