@@ -37,7 +37,9 @@ class ProcessId:
 @dataclass(frozen=True)
 class DestResult:
     """How SetDestination for ``room`` ended: ACCEPTED (with P's segment, incarnation and, when the
-    descriptor was at hand, its process), REJECTED or UNKNOWN (``error`` says why)."""
+    descriptor was at hand, its process), REJECTED or UNKNOWN (``error`` says why). A REJECTED or
+    UNKNOWN outcome carries the start of P the destination was pinned to
+    (``KVDestination.prefill_incarnation``) when D knew it, else no segment."""
 
     room: int
     state: DestState
@@ -76,10 +78,11 @@ class PrefillNet(Protocol):
     """D's calls toward prefill workers (``decode_svc.peers.PrefillPeers``); none of them blocks."""
 
     def set_destination(self, address: str, dest: prefill_pb2.KVDestination, request_id: str,
-                        deadline: float | None = None) -> None:
+                        deadline: float | None = None, prefill_worker_id: str = "") -> None:
         """Send ``dest`` to P at ``address`` (gRPC host:port) with the RPC deadline ``deadline``
         (time.monotonic() seconds; not sent at all once it passed); the outcome comes back as
-        DestResult."""
+        DestResult. With ``prefill_worker_id`` (P's segment name, from the router) the destination
+        is pinned to that worker's registered start, so a lost outcome still names who may write."""
 
     def abort(self, address: str, room: int, request_id: str, reason: str) -> None:
         """Ask P to drop the room (best effort; P still answers an accepted destination once)."""

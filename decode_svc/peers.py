@@ -49,6 +49,11 @@ def destination_state(e: grpc.RpcError) -> DestState:
     return DestState.UNKNOWN
 
 
+def _other_start(e: grpc.RpcError) -> bool:
+    """P refused a destination pinned to another start of itself (prefill_svc.server)."""
+    return e.code() == grpc.StatusCode.FAILED_PRECONDITION and (e.details() or "").startswith("prefill_incarnation:")
+
+
 class PrefillPeers:
     """gRPC stubs per prefill address + the registry for liveness.
 
@@ -79,40 +84,58 @@ class PrefillPeers:
                 stub = self._stubs[address] = prefill_pb2_grpc.PrefillStub(ch)
             return stub
 
-    def set_destination(self, address: str, dest, request_id: str, deadline: float | None = None) -> None:
+    def set_destination(self, address: str, dest, request_id: str, deadline: float | None = None,
+                        prefill_worker_id: str = "") -> None:
         def call():
             room = int(dest.room)
-            timeout = self.rpc_timeout_s if deadline is None else deadline - time.monotonic()
-            if timeout <= 0:  # never sent: P cannot hold it
-                self._post(DestResult(room, DestState.REJECTED, error="not sent: its deadline passed first"))
+            start = self._registered_start(prefill_worker_id)
+            for attempt in range(2):
+                seg, inc, proc = (prefill_worker_id, *start) if start else ("", "", None)
+                dest.prefill_incarnation = inc
+                timeout = self.rpc_timeout_s if deadline is None else deadline - time.monotonic()
+                if timeout <= 0:  # never sent: P cannot hold it
+                    self._post(DestResult(room, DestState.REJECTED, error="not sent: its deadline passed first"))
+                    return
+                try:
+                    resp = self._stub(address).SetDestination(dest, timeout=timeout)
+                except grpc.RpcError as e:
+                    if attempt == 0 and start and _other_start(e):  # our descriptor was stale: once more
+                        start = self._registered_start(prefill_worker_id, refresh=True)
+                        continue
+                    self._post(DestResult(room, destination_state(e), seg, inc,
+                                          error=f"{e.code().name}: {e.details()}", process=proc))
+                    return
+                except Exception as e:  # never lose the outcome
+                    self._post(DestResult(room, DestState.UNKNOWN, seg, inc, error=repr(e), process=proc))
+                    return
+                self._post(DestResult(room, DestState.ACCEPTED, resp.prefill_segment, resp.incarnation,
+                                      process=self._process(resp.prefill_segment, resp.incarnation)))
                 return
-            try:
-                resp = self._stub(address).SetDestination(dest, timeout=timeout)
-            except grpc.RpcError as e:
-                self._post(DestResult(room, destination_state(e), error=f"{e.code().name}: {e.details()}"))
-                return
-            except Exception as e:  # never lose the outcome
-                self._post(DestResult(room, DestState.UNKNOWN, error=repr(e)))
-                return
-            self._post(DestResult(room, DestState.ACCEPTED, resp.prefill_segment, resp.incarnation,
-                                  process=self._process(resp.prefill_segment, resp.incarnation)))
 
         self._pool.submit(call)
+
+    def _registered_start(self, worker_id: str, refresh: bool = False) -> tuple[str, ProcessId | None] | None:
+        """(incarnation, process) of prefill worker ``worker_id``'s registered start, from its
+        descriptor (cached unless ``refresh``); None without a worker id, a registry or a record.
+        The process is None when the descriptor names none."""
+        if self.registry is None or not worker_id:
+            return None
+        try:
+            desc = self.registry.get_segment(worker_id, refresh=refresh)
+        except Exception:  # no record, or no registry now: the destination goes out unpinned
+            return None
+        if not desc.incarnation:
+            return None
+        proc = ProcessId(desc.host_id, desc.pid, desc.pid_start_ticks) if desc.pid > 0 else None
+        return desc.incarnation, proc
 
     def _process(self, segment: str, incarnation: str) -> ProcessId | None:
         """P's process from its descriptor (cached by the registry client), kept with the pages
         so that P's death can be proven on this host even once its registry record is gone."""
-        if self.registry is None or not segment:
-            return None
-        try:
-            desc = self.registry.get_segment(segment)
-            if desc.incarnation != incarnation:
-                desc = self.registry.get_segment(segment, refresh=True)
-        except Exception:  # no descriptor at hand: only the registry can tell later
-            return None
-        if desc.incarnation != incarnation or desc.pid <= 0:
-            return None
-        return ProcessId(desc.host_id, desc.pid, desc.pid_start_ticks)
+        start = self._registered_start(segment)
+        if start is None or start[0] != incarnation:
+            start = self._registered_start(segment, refresh=True)
+        return start[1] if start is not None and start[0] == incarnation else None
 
     def abort(self, address: str, room: int, request_id: str, reason: str) -> None:
         def call():

@@ -90,7 +90,8 @@ class PreallocQueue:
         M.DECODE_PROMPT_TOKENS.inc(n)
         M.DECODE_PREFIX_HIT_TOKENS.inc(pre)
         dest = self._destination(room=job.room, dst_page_ids=job.dst_pages, pre_len=pre, prompt_len=n)
-        self.net.set_destination(job.prefill_address, dest, job.request_id, self.fence.stamp(job))
+        self.net.set_destination(job.prefill_address, dest, job.request_id, self.fence.stamp(job),
+                                 job.prefill_worker_id)
         return True
 
     def _lease(self, job: DecodeJob):

@@ -77,6 +77,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"room: must be in [1, 2**63-1], got {request.room}")
         if not request.decode_segment:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_segment: empty")
+        if request.prefill_incarnation and request.prefill_incarnation != self.transfer.incarnation:
+            # meant for another start of this worker: D ties the pages to that start's life
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"prefill_incarnation: {request.prefill_incarnation!r} is not this start of "
+                          f"{self.transfer.name} ({self.transfer.incarnation!r})")
         refused = self.sched.book.refusal(int(request.room))
         if refused:
             context.abort(refused.code, str(refused))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\x0bhalfmoon.v1\x1a\x13protos/common.proto\"\x7f\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.halfmoon.v1.SamplingParams\x12\t\n\x01n\x18\x05 \x01(\r\"\xbd\x01\n\rKVDestination\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_segment\x18\x02 \x01(\t\x12\x14\n\x0c\x64st_page_ids\x18\x03 \x03(\x05\x12\x0f\n\x07pre_len\x18\x04 \x01(\x05\x12\x12\n\nprompt_len\x18\x05 \x01(\x05\x12\x16\n\x0ewant_checksums\x18\x06 \x01(\x08\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x19\n\x11write_deadline_ms\x18\x08 \x01(\r\"a\n\x16SetDestinationResponse\x12\x17\n\x0fprefill_segment\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x19\n\x11write_deadline_ms\x18\x03 \x01(\r\"\xf0\x01\n\rPrefillResult\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x30\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x12\n\npages_sent\x18\x05 \x01(\x05\x12\x12\n\nbytes_sent\x18\x06 \x01(\x04\x12\x15\n\rqueue_seconds\x18\x07 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x08 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\t \x01(\x01\"b\n\x0b\x46irstSample\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12*\n\x07logprob\x18\x02 \x01(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x15\n\rsampler_state\x18\x03 \x01(\x0c\"\xb1\x02\n\x08KVNotice\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12\x30\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x12\n\npages_sent\x18\x07 \x01(\x05\x12\x15\n\rsampler_state\x18\t \x01(\x0c\x12)\n\x07samples\x18\n \x03(\x0b\x32\x18.halfmoon.v1.FirstSample\x12\x16\n\x0ehead_checksums\x18\x0b \x03(\r\x12\x17\n\x0fhead_block_cuts\x18\x0c \x03(\rJ\x04\x08\x08\x10\tR\x0epage_checksums2\xa1\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1b.halfmoon.v1.PrefillRequest\x1a\x1a.halfmoon.v1.PrefillResult\x12Q\n\x0eSetDestination\x12\x1a.halfmoon.v1.KVDestination\x1a#.halfmoon.v1.SetDestinationResponse\x12>\n\x05\x41\x62ort\x12\x19.halfmoon.v1.AbortRequest\x1a\x1a.halfmoon.v1.AbortResponse\x12?\n\x07GetLoad\x12\x1b.halfmoon.v1.GetLoadRequest\x1a\x17.halfmoon.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\x0bhalfmoon.v1\x1a\x13protos/common.proto\"\x7f\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.halfmoon.v1.SamplingParams\x12\t\n\x01n\x18\x05 \x01(\r\"\xda\x01\n\rKVDestination\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_segment\x18\x02 \x01(\t\x12\x14\n\x0c\x64st_page_ids\x18\x03 \x03(\x05\x12\x0f\n\x07pre_len\x18\x04 \x01(\x05\x12\x12\n\nprompt_len\x18\x05 \x01(\x05\x12\x16\n\x0ewant_checksums\x18\x06 \x01(\x08\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x19\n\x11write_deadline_ms\x18\x08 \x01(\r\x12\x1b\n\x13prefill_incarnation\x18\t \x01(\t\"a\n\x16SetDestinationResponse\x12\x17\n\x0fprefill_segment\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x19\n\x11write_deadline_ms\x18\x03 \x01(\r\"\xf0\x01\n\rPrefillResult\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x30\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x12\n\npages_sent\x18\x05 \x01(\x05\x12\x12\n\nbytes_sent\x18\x06 \x01(\x04\x12\x15\n\rqueue_seconds\x18\x07 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x08 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\t \x01(\x01\"b\n\x0b\x46irstSample\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12*\n\x07logprob\x18\x02 \x01(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x15\n\rsampler_state\x18\x03 \x01(\x0c\"\xb1\x02\n\x08KVNotice\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12\x30\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x12\n\npages_sent\x18\x07 \x01(\x05\x12\x15\n\rsampler_state\x18\t \x01(\x0c\x12)\n\x07samples\x18\n \x03(\x0b\x32\x18.halfmoon.v1.FirstSample\x12\x16\n\x0ehead_checksums\x18\x0b \x03(\r\x12\x17\n\x0fhead_block_cuts\x18\x0c \x03(\rJ\x04\x08\x08\x10\tR\x0epage_checksums2\xa1\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1b.halfmoon.v1.PrefillRequest\x1a\x1a.halfmoon.v1.PrefillResult\x12Q\n\x0eSetDestination\x12\x1a.halfmoon.v1.KVDestination\x1a#.halfmoon.v1.SetDestinationResponse\x12>\n\x05\x41\x62ort\x12\x19.halfmoon.v1.AbortRequest\x1a\x1a.halfmoon.v1.AbortResponse\x12?\n\x07GetLoad\x12\x1b.halfmoon.v1.GetLoadRequest\x1a\x17.halfmoon.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=58
   _globals['_PREFILLREQUEST']._serialized_end=185
   _globals['_KVDESTINATION']._serialized_start=188
-  _globals['_KVDESTINATION']._serialized_end=377
-  _globals['_SETDESTINATIONRESPONSE']._serialized_start=379
-  _globals['_SETDESTINATIONRESPONSE']._serialized_end=476
-  _globals['_PREFILLRESULT']._serialized_start=479
-  _globals['_PREFILLRESULT']._serialized_end=719
-  _globals['_FIRSTSAMPLE']._serialized_start=721
-  _globals['_FIRSTSAMPLE']._serialized_end=819
-  _globals['_KVNOTICE']._serialized_start=822
-  _globals['_KVNOTICE']._serialized_end=1127
-  _globals['_PREFILL']._serialized_start=1130
-  _globals['_PREFILL']._serialized_end=1419
+  _globals['_KVDESTINATION']._serialized_end=406
+  _globals['_SETDESTINATIONRESPONSE']._serialized_start=408
+  _globals['_SETDESTINATIONRESPONSE']._serialized_end=505
+  _globals['_PREFILLRESULT']._serialized_start=508
+  _globals['_PREFILLRESULT']._serialized_end=748
+  _globals['_FIRSTSAMPLE']._serialized_start=750
+  _globals['_FIRSTSAMPLE']._serialized_end=848
+  _globals['_KVNOTICE']._serialized_start=851
+  _globals['_KVNOTICE']._serialized_end=1156
+  _globals['_PREFILL']._serialized_start=1159
+  _globals['_PREFILL']._serialized_end=1448
 # @@protoc_insertion_point(module_scope)

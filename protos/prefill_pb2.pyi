@@ -22,7 +22,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("room", "decode_segment", "dst_page_ids", "pre_len", "prompt_len", "want_checksums", "decode_worker_id", "write_deadline_ms")
+    __slots__ = ("room", "decode_segment", "dst_page_ids", "pre_len", "prompt_len", "want_checksums", "decode_worker_id", "write_deadline_ms", "prefill_incarnation")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     DECODE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     DST_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class KVDestination(_message.Message):
     WANT_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WRITE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     room: int
     decode_segment: str
     dst_page_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -39,7 +40,8 @@ class KVDestination(_message.Message):
     want_checksums: bool
     decode_worker_id: str
     write_deadline_ms: int
-    def __init__(self, room: _Optional[int] = ..., decode_segment: _Optional[str] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., pre_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., want_checksums: _Optional[bool] = ..., decode_worker_id: _Optional[str] = ..., write_deadline_ms: _Optional[int] = ...) -> None: ...
+    prefill_incarnation: str
+    def __init__(self, room: _Optional[int] = ..., decode_segment: _Optional[str] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., pre_len: _Optional[int] = ..., prompt_len: _Optional[int] = ..., want_checksums: _Optional[bool] = ..., decode_worker_id: _Optional[str] = ..., write_deadline_ms: _Optional[int] = ..., prefill_incarnation: _Optional[str] = ...) -> None: ...
 
 class SetDestinationResponse(_message.Message):
     __slots__ = ("prefill_segment", "incarnation", "write_deadline_ms")

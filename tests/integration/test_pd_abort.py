@@ -9,13 +9,16 @@ request sits "transferred but not running". The kill tests start their own stack
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
+import grpc
 import pytest
 
 from tests.integration.conftest import (assert_idle_accounting, get_load, model_available,
                                         start_stack, start_worker)
+from protos import prefill_pb2
 from tests.integration.pd_driver import PDDriver, sampling
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="SmolLM2 is not pulled (halfmoon models pull)")
@@ -164,6 +167,28 @@ def test_prefill_killed_mid_transfer(tmp_path):
         drv2 = PDDriver(p2.address, st.decode_addr, prefill_worker_id="prefill-1")
         assert drv2.generate(prompt(200), 4).ok
         assert_idle_accounting([("prefill", p2.address), ("decode", st.decode_addr)])
+
+
+def test_prefill_stopped_then_killed_with_its_destination_unanswered(tmp_path):
+    """D's SetDestination reaches a stopped P and times out: its outcome is unknown (P may have
+    taken it), so the pages are quarantined. The worker id came with the request, so the destination
+    was pinned to P's registered start; that start's death then frees the pages at once, not at the
+    fence deadline (10 s RPC + 120 s window + 30 s margin). Before the pinning, a lost outcome left
+    the room to the fence deadline."""
+    with start_stack(tmp_path) as st:
+        drv = PDDriver(st.prefill_addr, st.decode_addr, timeout_s=60, prefill_worker_id="prefill-0")
+        with pytest.raises(grpc.RpcError) as e:   # only the start it is pinned to takes a destination
+            drv.prefill.SetDestination(prefill_pb2.KVDestination(room=5, decode_segment="decode-0",
+                                                                 prefill_incarnation="another-start"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
+        assert e.value.details().startswith("prefill_incarnation:"), e.value.details()
+        st.prefill.popen.send_signal(signal.SIGSTOP)
+        r = drv.start(prompt(400, 200), sampling(4), send_prefill=False).wait()   # D's RPC deadline: 10 s
+        assert r.decode_error[0] == "UNAVAILABLE" and "DEADLINE_EXCEEDED" in r.decode_error[1], r
+        assert get_load(st.decode_addr, "decode").accounting.held_rooms == 1   # quarantined
+        st.prefill.kill()
+        assert_idle_accounting([("decode", st.decode_addr)], timeout=15)
+        drv.close()
 
 
 def test_decode_killed_mid_transfer(tmp_path):

@@ -96,7 +96,7 @@ class StubNet:
         self.aborts: list[tuple] = []
         self.alive_checks: list[set] = []
 
-    def set_destination(self, address, dest, request_id, deadline=None):
+    def set_destination(self, address, dest, request_id, deadline=None, prefill_worker_id=""):
         assert address == P_ADDR
         self.dests[int(dest.room)] = dest
         if self.reply is not None:

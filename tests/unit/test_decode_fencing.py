@@ -140,3 +140,100 @@ def test_a_job_whose_p_is_proven_gone_frees_its_pages_without_quarantine(model):
     d.tick()
     assert code(outcome(job)[1]) is grpc.StatusCode.UNAVAILABLE and job.state is JobState.DONE
     d.assert_idle()
+
+
+class _Stub:
+    """SetDestination answering from ``outcomes`` in turn (an exception is raised)."""
+
+    def __init__(self, *outcomes):
+        self.outcomes, self.sent = list(outcomes), []
+
+    def SetDestination(self, dest, timeout):
+        self.sent.append(prefill_pb2.KVDestination.FromString(dest.SerializeToString()))
+        out = self.outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+
+class _Starts(_Registry):
+    """A registry whose cached descriptor may be older than the refreshed one."""
+
+    def __init__(self, cached, fresh):
+        super().__init__(cached)
+        self.fresh = fresh
+
+    def get_segment(self, name, refresh=False):
+        assert name == P_SEG
+        return self.fresh if refresh else self.desc
+
+
+def _send(peers, stub, worker_id=P_SEG):
+    import queue
+
+    posted = queue.SimpleQueue()
+    peers._post = posted.put
+    peers._stub = lambda address: stub
+    peers.set_destination("127.0.0.1:1", prefill_pb2.KVDestination(room=7, decode_segment="decode-0"),
+                          "r", prefill_worker_id=worker_id)
+    return posted.get(timeout=10)
+
+
+def _desc(inc, pid=4242, ticks=99):
+    from protos import registry_pb2
+
+    return registry_pb2.SegmentDescriptor(name=P_SEG, incarnation=inc, host_id="host-a", pid=pid,
+                                          pid_start_ticks=ticks)
+
+
+def test_a_lost_destination_outcome_names_the_start_it_was_pinned_to():
+    """P died with SetDestination in flight (UNKNOWN): the destination was pinned to the worker's
+    registered start, so the result carries that start and its process, whose death alone then
+    proves nobody writes the pages. Without a worker id nothing is pinned or named."""
+    peers = PrefillPeers(lambda m: None, registry=_Registry(_desc(P_INC)))
+    try:
+        stub = _Stub(_Err(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+        r = _send(peers, stub)
+        assert stub.sent[0].prefill_incarnation == P_INC
+        assert (r.state, r.segment, r.incarnation, r.process) == (
+            DestState.UNKNOWN, P_SEG, P_INC, ProcessId("host-a", 4242, 99))
+        stub = _Stub(_Err(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+        r = _send(peers, stub, worker_id="")
+        assert stub.sent[0].prefill_incarnation == ""
+        assert (r.state, r.segment, r.incarnation, r.process) == (DestState.UNKNOWN, "", "", None)
+    finally:
+        peers.close()
+
+
+def test_a_destination_pinned_to_a_stale_start_is_sent_again_to_the_current_one():
+    peers = PrefillPeers(lambda m: None, registry=_Starts(_desc("inc-old", pid=1), _desc(P_INC)))
+    try:
+        refused = _Err(grpc.StatusCode.FAILED_PRECONDITION, "prefill_incarnation: 'inc-old' is not this start")
+        stub = _Stub(refused, prefill_pb2.SetDestinationResponse(prefill_segment=P_SEG, incarnation=P_INC))
+        r = _send(peers, stub)
+        assert [d.prefill_incarnation for d in stub.sent] == ["inc-old", P_INC]
+        assert (r.state, r.segment, r.incarnation, r.process) == (
+            DestState.ACCEPTED, P_SEG, P_INC, ProcessId("host-a", 4242, 99))
+        # refused by the current start too (a wrong worker id): a definite answer, P holds nothing
+        stub = _Stub(refused, refused)
+        assert _send(peers, stub).state is DestState.REJECTED and len(stub.sent) == 2
+    finally:
+        peers.close()
+
+
+def test_a_quarantined_room_with_a_lost_outcome_is_released_by_its_pinned_start_dying(model):
+    d = Decode(model, liveness_interval_s=0.0)
+    d.net.reply = None
+    job = d.submit(PROMPT)
+    d.tick()
+    proc = ProcessId("host-a", 4242, 99)
+    d.sched.post(DestResult(job.room, DestState.UNKNOWN, P_SEG, P_INC, error="UNAVAILABLE: Socket closed",
+                            process=proc))
+    d.tick()
+    assert code(outcome(job)[1]) is grpc.StatusCode.UNAVAILABLE
+    assert _pages(d) == 3 and (P_SEG, P_INC, proc) in d.net.alive_checks[-1]
+    before = released("process_gone")
+    d.sched.post(PeerGone(P_SEG, P_INC, "process_gone"))
+    d.tick()
+    d.assert_idle()
+    assert released("process_gone") == before + 1
