@@ -38,8 +38,8 @@ class ProcessId:
 class DestResult:
     """How SetDestination for ``room`` ended: ACCEPTED (with P's segment, incarnation and, when the
     descriptor was at hand, its process), REJECTED or UNKNOWN (``error`` says why). A REJECTED or
-    UNKNOWN outcome carries the start of P the destination was pinned to
-    (``KVDestination.prefill_incarnation``) when D knew it, else no segment."""
+    UNKNOWN outcome of a destination that went out pinned (``KVDestination.prefill_incarnation``)
+    carries the start it was pinned to; otherwise no segment."""
 
     room: int
     state: DestState

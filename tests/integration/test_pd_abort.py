@@ -183,11 +183,14 @@ def test_prefill_stopped_then_killed_with_its_destination_unanswered(tmp_path):
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
         assert e.value.details().startswith("prefill_incarnation:"), e.value.details()
         st.prefill.popen.send_signal(signal.SIGSTOP)
-        r = drv.start(prompt(400, 200), sampling(4), send_prefill=False).wait()   # D's RPC deadline: 10 s
-        assert r.decode_error[0] == "UNAVAILABLE" and "DEADLINE_EXCEEDED" in r.decode_error[1], r
-        assert get_load(st.decode_addr, "decode").accounting.held_rooms == 1   # quarantined
-        st.prefill.kill()
+        try:
+            r = drv.start(prompt(400, 200), sampling(4), send_prefill=False).wait()   # D's RPC deadline: 10 s
+            assert r.decode_error[0] == "UNAVAILABLE" and "DEADLINE_EXCEEDED" in r.decode_error[1], r
+            assert get_load(st.decode_addr, "decode").accounting.held_rooms == 1   # quarantined
+        finally:
+            st.prefill.kill()
         assert_idle_accounting([("decode", st.decode_addr)], timeout=15)
+        assert "quarantined pages released (process_gone" in st.decode.log()
         drv.close()
 
 

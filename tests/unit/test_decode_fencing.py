@@ -221,17 +221,42 @@ def test_a_destination_pinned_to_a_stale_start_is_sent_again_to_the_current_one(
         peers.close()
 
 
-def test_a_quarantined_room_with_a_lost_outcome_is_released_by_its_pinned_start_dying(model):
+def test_an_ambiguous_failure_is_never_sent_again():
+    """Only P's definite refusal of another start is resent: after a lost outcome P may hold the
+    destination, and a second one for the room must not exist."""
+    peers = PrefillPeers(lambda m: None, registry=_Registry(_desc(P_INC)))
+    try:
+        stub = _Stub(_Err(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+                     prefill_pb2.SetDestinationResponse(prefill_segment=P_SEG, incarnation=P_INC))
+        r = _send(peers, stub)
+        assert len(stub.sent) == 1 and (r.state, r.incarnation) == (DestState.UNKNOWN, P_INC)
+    finally:
+        peers.close()
+
+
+@pytest.mark.parametrize("abort_first", [False, True])
+def test_a_lost_outcome_pinned_to_a_start_is_released_by_that_start_dying(model, abort_first):
+    """D's side of the pinned lost outcome (the DestResult PrefillPeers posts, tested above): the
+    request fails or was already aborted while its SetDestination was in flight; either way the
+    quarantined room follows the pinned start, and only that start's death releases it."""
     d = Decode(model, liveness_interval_s=0.0)
     d.net.reply = None
     job = d.submit(PROMPT)
     d.tick()
+    if abort_first:  # quarantined while sending: no segment known yet
+        d.sched.abort(job.room, job.request_id, "client gone")
+        d.tick()
+        assert code(outcome(job)[1]) is grpc.StatusCode.CANCELLED
     proc = ProcessId("host-a", 4242, 99)
     d.sched.post(DestResult(job.room, DestState.UNKNOWN, P_SEG, P_INC, error="UNAVAILABLE: Socket closed",
                             process=proc))
     d.tick()
-    assert code(outcome(job)[1]) is grpc.StatusCode.UNAVAILABLE
+    if not abort_first:
+        assert code(outcome(job)[1]) is grpc.StatusCode.UNAVAILABLE
     assert _pages(d) == 3 and (P_SEG, P_INC, proc) in d.net.alive_checks[-1]
+    d.sched.post(PeerGone(P_SEG, "another-inc", "process_gone"))
+    d.tick()
+    assert _pages(d) == 3
     before = released("process_gone")
     d.sched.post(PeerGone(P_SEG, P_INC, "process_gone"))
     d.tick()
