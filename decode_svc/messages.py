@@ -26,12 +26,25 @@ class Notice:
 
 @dataclass(frozen=True)
 class ProcessId:
-    """P's process as its segment descriptor names it: same-host proof of its death without the
-    registry (``pid_start_ticks(pid) != start_ticks`` on ``host``)."""
+    """P's processes as its segment descriptor names them: same-host proof of its death without
+    the registry (``pid_start_ticks(pid) != start_ticks`` on ``host``, for rank 0 and every
+    tensor-parallel follower, each of which posts its own puts). ``ranks``: the followers'
+    (pid, start ticks); None when a follower's process is not named (its death cannot be proven)."""
 
     host: str
     pid: int
     start_ticks: int
+    ranks: tuple[tuple[int, int], ...] | None = ()
+
+    @classmethod
+    def of(cls, desc) -> ProcessId | None:
+        """From a ``registry_pb2.SegmentDescriptor``; None when it names no process."""
+        if desc.pid <= 0:
+            return None
+        followers = [r for r in desc.regions if r.rank > 0]
+        ranks = (None if any(r.pid <= 0 for r in followers)
+                 else tuple((int(r.pid), int(r.pid_start_ticks)) for r in followers))
+        return cls(desc.host_id, int(desc.pid), int(desc.pid_start_ticks), ranks)
 
 
 @dataclass(frozen=True)

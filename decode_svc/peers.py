@@ -26,6 +26,7 @@ from decode_svc.jobs import DestState
 from decode_svc.messages import DestResult, PeerGone, ProcessId
 from protos import common_pb2, prefill_pb2_grpc
 from security import OPEN, ClusterCredentials
+from transfer_svc.liveness import host_id, pid_start_ticks
 
 log = logging.getLogger("halfmoon.decode")
 
@@ -47,6 +48,14 @@ def destination_state(e: grpc.RpcError) -> DestState:
             and not any(k in details for k in _AFTER_CONNECT)):
         return DestState.REJECTED
     return DestState.UNKNOWN
+
+
+def _exited(proc: ProcessId) -> bool:
+    """Whether every process of ``proc`` (rank 0 and each follower; on this host) has exited; False
+    while a follower is not named."""
+    if proc.ranks is None:
+        return False
+    return all(pid_start_ticks(pid) != ticks for pid, ticks in ((proc.pid, proc.start_ticks), *proc.ranks))
 
 
 def _other_start(e: grpc.RpcError) -> bool:
@@ -126,8 +135,7 @@ class PrefillPeers:
             return None
         if not desc.incarnation:
             return None
-        proc = ProcessId(desc.host_id, desc.pid, desc.pid_start_ticks) if desc.pid > 0 else None
-        return desc.incarnation, proc
+        return desc.incarnation, ProcessId.of(desc)
 
     def _process(self, segment: str, incarnation: str) -> ProcessId | None:
         """P's process from its descriptor (cached by the registry client), kept with the pages
@@ -170,11 +178,9 @@ class PrefillPeers:
         self._pool.submit(call)
 
     def _gone(self, seg: str, inc: str, proc: ProcessId | None) -> str:
-        from transfer_svc.engine import host_id, pid_start_ticks
-
         me = host_id()
-        if proc is not None and proc.host == me:
-            return "" if pid_start_ticks(proc.pid) == proc.start_ticks else "process_gone"
+        if proc is not None and proc.host == me and proc.ranks is not None:
+            return "process_gone" if _exited(proc) else ""
         if self.registry is None:
             return ""
         try:
@@ -185,7 +191,8 @@ class PrefillPeers:
             return ""  # registry unreachable: decide nothing
         if inc and desc.incarnation != inc:
             return "new_incarnation"
-        if inc and desc.host_id == me and desc.pid > 0 and pid_start_ticks(desc.pid) != desc.pid_start_ticks:
+        proc = ProcessId.of(desc)
+        if inc and proc is not None and proc.host == me and _exited(proc):
             return "process_gone"
         return ""
 

@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/registry.proto\x12\x0bhalfmoon.v1\"\x9e\x01\n\x0cMemoryRegion\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0c\n\x04rkey\x18\x03 \x01(\x0c\x12\x10\n\x08location\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x15\n\rkv_head_start\x18\x06 \x01(\x05\x12\x13\n\x0bkv_head_end\x18\x07 \x01(\x05\x12\x16\n\x0eworker_address\x18\x08 \x01(\x0c\"\x81\x02\n\x08KVLayout\x12\x0e\n\x06layout\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x11\n\tnum_pages\x18\x04 \x01(\x03\x12\x10\n\x08kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x14\n\x0c\x62uffer_addrs\x18\x08 \x03(\x04\x12\x12\n\npage_bytes\x18\t \x01(\x04\x12\x19\n\x11page_stride_bytes\x18\n \x01(\x04\x12\r\n\x05model\x18\x0b \x01(\t\x12\x0f\n\x07tp_size\x18\x0c \x01(\x05\x12\x13\n\x0bmax_context\x18\r \x01(\x05\"\xeb\x01\n\x11SegmentDescriptor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x16\n\x0eworker_address\x18\x03 \x01(\x0c\x12*\n\x07regions\x18\x04 \x03(\x0b\x32\x19.halfmoon.v1.MemoryRegion\x12(\n\tkv_layout\x18\x05 \x01(\x0b\x32\x15.halfmoon.v1.KVLayout\x12\x0f\n\x07host_id\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\x03\x12\x17\n\x0fpid_start_ticks\x18\x08 \x01(\x04\x12\x0e\n\x06\x64igest\x18\t \x01(\x0c\"\xb7\x01\n\x0cWorkerRecord\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.halfmoon.v1.WorkerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12/\n\x07segment\x18\x06 \x01(\x0b\x32\x1e.halfmoon.v1.SegmentDescriptor\"n\n\x16RegisterSegmentRequest\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.halfmoon.v1.WorkerRecord\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x05\x12\x14\n\x0clease_secret\x18\x03 \x01(\t\"V\n\x17RegisterSegmentResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x05\x12\x14\n\x0clease_secret\x18\x03 \x01(\t\"!\n\x11GetSegmentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"?\n\x12GetSegmentResponse\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.halfmoon.v1.WorkerRecord\"M\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0clease_secret\x18\x03 \x01(\t\"(\n\x11HeartbeatResponse\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\x05\"N\n\x11UnregisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0clease_secret\x18\x03 \x01(\t\"#\n\x12UnregisterResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"<\n\x13WatchWorkersRequest\x12%\n\x04role\x18\x01 \x01(\x0e\x32\x17.halfmoon.v1.WorkerRole\"\xb8\x01\n\x0bWorkerEvent\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.halfmoon.v1.WorkerEvent.Kind\x12)\n\x06worker\x18\x02 \x01(\x0b\x32\x19.halfmoon.v1.WorkerRecord\x12\x0e\n\x06reason\x18\x03 \x01(\t\"A\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07UPDATED\x10\x03\"e\n\x0cStoredWorker\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.halfmoon.v1.WorkerRecord\x12\x15\n\rsecret_sha256\x18\x02 \x01(\x0c\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x05*;\n\nWorkerRole\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\x32\xa0\x03\n\x08Registry\x12\\\n\x0fRegisterSegment\x12#.halfmoon.v1.RegisterSegmentRequest\x1a$.halfmoon.v1.RegisterSegmentResponse\x12M\n\nGetSegment\x12\x1e.halfmoon.v1.GetSegmentRequest\x1a\x1f.halfmoon.v1.GetSegmentResponse\x12J\n\tHeartbeat\x12\x1d.halfmoon.v1.HeartbeatRequest\x1a\x1e.halfmoon.v1.HeartbeatResponse\x12M\n\nUnregister\x12\x1e.halfmoon.v1.UnregisterRequest\x1a\x1f.halfmoon.v1.UnregisterResponse\x12L\n\x0cWatchWorkers\x12 .halfmoon.v1.WatchWorkersRequest\x1a\x18.halfmoon.v1.WorkerEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/registry.proto\x12\x0bhalfmoon.v1\"\xc4\x01\n\x0cMemoryRegion\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0c\n\x04rkey\x18\x03 \x01(\x0c\x12\x10\n\x08location\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x15\n\rkv_head_start\x18\x06 \x01(\x05\x12\x13\n\x0bkv_head_end\x18\x07 \x01(\x05\x12\x16\n\x0eworker_address\x18\x08 \x01(\x0c\x12\x0b\n\x03pid\x18\t \x01(\x03\x12\x17\n\x0fpid_start_ticks\x18\n \x01(\x04\"\x81\x02\n\x08KVLayout\x12\x0e\n\x06layout\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x11\n\tnum_pages\x18\x04 \x01(\x03\x12\x10\n\x08kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x14\n\x0c\x62uffer_addrs\x18\x08 \x03(\x04\x12\x12\n\npage_bytes\x18\t \x01(\x04\x12\x19\n\x11page_stride_bytes\x18\n \x01(\x04\x12\r\n\x05model\x18\x0b \x01(\t\x12\x0f\n\x07tp_size\x18\x0c \x01(\x05\x12\x13\n\x0bmax_context\x18\r \x01(\x05\"\xeb\x01\n\x11SegmentDescriptor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x16\n\x0eworker_address\x18\x03 \x01(\x0c\x12*\n\x07regions\x18\x04 \x03(\x0b\x32\x19.halfmoon.v1.MemoryRegion\x12(\n\tkv_layout\x18\x05 \x01(\x0b\x32\x15.halfmoon.v1.KVLayout\x12\x0f\n\x07host_id\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\x03\x12\x17\n\x0fpid_start_ticks\x18\x08 \x01(\x04\x12\x0e\n\x06\x64igest\x18\t \x01(\x0c\"\xb7\x01\n\x0cWorkerRecord\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.halfmoon.v1.WorkerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12/\n\x07segment\x18\x06 \x01(\x0b\x32\x1e.halfmoon.v1.SegmentDescriptor\"n\n\x16RegisterSegmentRequest\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.halfmoon.v1.WorkerRecord\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x05\x12\x14\n\x0clease_secret\x18\x03 \x01(\t\"V\n\x17RegisterSegmentResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x05\x12\x14\n\x0clease_secret\x18\x03 \x01(\t\"!\n\x11GetSegmentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"?\n\x12GetSegmentResponse\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.halfmoon.v1.WorkerRecord\"M\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0clease_secret\x18\x03 \x01(\t\"(\n\x11HeartbeatResponse\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\x05\"N\n\x11UnregisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0clease_secret\x18\x03 \x01(\t\"#\n\x12UnregisterResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"<\n\x13WatchWorkersRequest\x12%\n\x04role\x18\x01 \x01(\x0e\x32\x17.halfmoon.v1.WorkerRole\"\xb8\x01\n\x0bWorkerEvent\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.halfmoon.v1.WorkerEvent.Kind\x12)\n\x06worker\x18\x02 \x01(\x0b\x32\x19.halfmoon.v1.WorkerRecord\x12\x0e\n\x06reason\x18\x03 \x01(\t\"A\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07UPDATED\x10\x03\"e\n\x0cStoredWorker\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.halfmoon.v1.WorkerRecord\x12\x15\n\rsecret_sha256\x18\x02 \x01(\x0c\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x05*;\n\nWorkerRole\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\x32\xa0\x03\n\x08Registry\x12\\\n\x0fRegisterSegment\x12#.halfmoon.v1.RegisterSegmentRequest\x1a$.halfmoon.v1.RegisterSegmentResponse\x12M\n\nGetSegment\x12\x1e.halfmoon.v1.GetSegmentRequest\x1a\x1f.halfmoon.v1.GetSegmentResponse\x12J\n\tHeartbeat\x12\x1d.halfmoon.v1.HeartbeatRequest\x1a\x1e.halfmoon.v1.HeartbeatResponse\x12M\n\nUnregister\x12\x1e.halfmoon.v1.UnregisterRequest\x1a\x1f.halfmoon.v1.UnregisterResponse\x12L\n\x0cWatchWorkers\x12 .halfmoon.v1.WatchWorkersRequest\x1a\x18.halfmoon.v1.WorkerEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.registry_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=1773
-  _globals['_WORKERROLE']._serialized_end=1832
+  _globals['_WORKERROLE']._serialized_start=1811
+  _globals['_WORKERROLE']._serialized_end=1870
   _globals['_MEMORYREGION']._serialized_start=39
-  _globals['_MEMORYREGION']._serialized_end=197
-  _globals['_KVLAYOUT']._serialized_start=200
-  _globals['_KVLAYOUT']._serialized_end=457
-  _globals['_SEGMENTDESCRIPTOR']._serialized_start=460
-  _globals['_SEGMENTDESCRIPTOR']._serialized_end=695
-  _globals['_WORKERRECORD']._serialized_start=698
-  _globals['_WORKERRECORD']._serialized_end=881
-  _globals['_REGISTERSEGMENTREQUEST']._serialized_start=883
-  _globals['_REGISTERSEGMENTREQUEST']._serialized_end=993
-  _globals['_REGISTERSEGMENTRESPONSE']._serialized_start=995
-  _globals['_REGISTERSEGMENTRESPONSE']._serialized_end=1081
-  _globals['_GETSEGMENTREQUEST']._serialized_start=1083
-  _globals['_GETSEGMENTREQUEST']._serialized_end=1116
-  _globals['_GETSEGMENTRESPONSE']._serialized_start=1118
-  _globals['_GETSEGMENTRESPONSE']._serialized_end=1181
-  _globals['_HEARTBEATREQUEST']._serialized_start=1183
-  _globals['_HEARTBEATREQUEST']._serialized_end=1260
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1262
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1302
-  _globals['_UNREGISTERREQUEST']._serialized_start=1304
-  _globals['_UNREGISTERREQUEST']._serialized_end=1382
-  _globals['_UNREGISTERRESPONSE']._serialized_start=1384
-  _globals['_UNREGISTERRESPONSE']._serialized_end=1419
-  _globals['_WATCHWORKERSREQUEST']._serialized_start=1421
-  _globals['_WATCHWORKERSREQUEST']._serialized_end=1481
-  _globals['_WORKEREVENT']._serialized_start=1484
-  _globals['_WORKEREVENT']._serialized_end=1668
-  _globals['_WORKEREVENT_KIND']._serialized_start=1603
-  _globals['_WORKEREVENT_KIND']._serialized_end=1668
-  _globals['_STOREDWORKER']._serialized_start=1670
-  _globals['_STOREDWORKER']._serialized_end=1771
-  _globals['_REGISTRY']._serialized_start=1835
-  _globals['_REGISTRY']._serialized_end=2251
+  _globals['_MEMORYREGION']._serialized_end=235
+  _globals['_KVLAYOUT']._serialized_start=238
+  _globals['_KVLAYOUT']._serialized_end=495
+  _globals['_SEGMENTDESCRIPTOR']._serialized_start=498
+  _globals['_SEGMENTDESCRIPTOR']._serialized_end=733
+  _globals['_WORKERRECORD']._serialized_start=736
+  _globals['_WORKERRECORD']._serialized_end=919
+  _globals['_REGISTERSEGMENTREQUEST']._serialized_start=921
+  _globals['_REGISTERSEGMENTREQUEST']._serialized_end=1031
+  _globals['_REGISTERSEGMENTRESPONSE']._serialized_start=1033
+  _globals['_REGISTERSEGMENTRESPONSE']._serialized_end=1119
+  _globals['_GETSEGMENTREQUEST']._serialized_start=1121
+  _globals['_GETSEGMENTREQUEST']._serialized_end=1154
+  _globals['_GETSEGMENTRESPONSE']._serialized_start=1156
+  _globals['_GETSEGMENTRESPONSE']._serialized_end=1219
+  _globals['_HEARTBEATREQUEST']._serialized_start=1221
+  _globals['_HEARTBEATREQUEST']._serialized_end=1298
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1300
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1340
+  _globals['_UNREGISTERREQUEST']._serialized_start=1342
+  _globals['_UNREGISTERREQUEST']._serialized_end=1420
+  _globals['_UNREGISTERRESPONSE']._serialized_start=1422
+  _globals['_UNREGISTERRESPONSE']._serialized_end=1457
+  _globals['_WATCHWORKERSREQUEST']._serialized_start=1459
+  _globals['_WATCHWORKERSREQUEST']._serialized_end=1519
+  _globals['_WORKEREVENT']._serialized_start=1522
+  _globals['_WORKEREVENT']._serialized_end=1706
+  _globals['_WORKEREVENT_KIND']._serialized_start=1641
+  _globals['_WORKEREVENT_KIND']._serialized_end=1706
+  _globals['_STOREDWORKER']._serialized_start=1708
+  _globals['_STOREDWORKER']._serialized_end=1809
+  _globals['_REGISTRY']._serialized_start=1873
+  _globals['_REGISTRY']._serialized_end=2289
 # @@protoc_insertion_point(module_scope)

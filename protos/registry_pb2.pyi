@@ -17,7 +17,7 @@ PREFILL: WorkerRole
 DECODE: WorkerRole
 
 class MemoryRegion(_message.Message):
-    __slots__ = ("base", "length", "rkey", "location", "rank", "kv_head_start", "kv_head_end", "worker_address")
+    __slots__ = ("base", "length", "rkey", "location", "rank", "kv_head_start", "kv_head_end", "worker_address", "pid", "pid_start_ticks")
     BASE_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     RKEY_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class MemoryRegion(_message.Message):
     KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_END_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PID_START_TICKS_FIELD_NUMBER: _ClassVar[int]
     base: int
     length: int
     rkey: bytes
@@ -34,7 +36,9 @@ class MemoryRegion(_message.Message):
     kv_head_start: int
     kv_head_end: int
     worker_address: bytes
-    def __init__(self, base: _Optional[int] = ..., length: _Optional[int] = ..., rkey: _Optional[bytes] = ..., location: _Optional[str] = ..., rank: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., worker_address: _Optional[bytes] = ...) -> None: ...
+    pid: int
+    pid_start_ticks: int
+    def __init__(self, base: _Optional[int] = ..., length: _Optional[int] = ..., rkey: _Optional[bytes] = ..., location: _Optional[str] = ..., rank: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., worker_address: _Optional[bytes] = ..., pid: _Optional[int] = ..., pid_start_ticks: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("layout", "num_layers", "page_size", "num_pages", "kv_heads", "head_dim", "dtype", "buffer_addrs", "page_bytes", "page_stride_bytes", "model", "tp_size", "max_context")

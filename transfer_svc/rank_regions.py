@@ -112,6 +112,6 @@ def tp_descriptor(rank0: registry_pb2.SegmentDescriptor, heads: list[tuple[int, 
         r = d.regions[0]
         out.regions.add(base=r.base, length=r.length, rkey=r.rkey, location=r.location, rank=rank,
                         kv_head_start=heads[rank][0], kv_head_end=heads[rank][1],
-                        worker_address=d.worker_address)
+                        worker_address=d.worker_address, pid=d.pid, pid_start_ticks=d.pid_start_ticks)
     out.digest = descriptor_digest(out)
     return out

@@ -179,6 +179,23 @@ def test_n_samples_fork_on_every_decode_rank(stack, prompts, reference):
     assert_idle_accounting(stack)
 
 
+def test_the_descriptor_names_every_rank_process(stack):
+    """Each follower rank posts its own puts, so a peer proves the worker's death only once every
+    rank's process is gone: the published descriptor names them all (pid and start ticks)."""
+    from transfer_svc.liveness import pid_start_ticks
+
+    p_tp, d_tp = stack.tp
+    for worker, tp in ((stack.prefill, p_tp), (stack.decode, d_tp)):
+        with grpc.insecure_channel(stack.registry.address) as ch:
+            desc = registry_pb2_grpc.RegistryStub(ch).GetSegment(
+                registry_pb2.GetSegmentRequest(name=worker.name), timeout=10).worker.segment
+        followers = [c for c in psutil.Process(worker.pid).children() if "pd_common.tp_rank" in " ".join(c.cmdline())]
+        assert len(followers) == tp - 1
+        assert desc.pid == worker.pid and desc.pid_start_ticks == pid_start_ticks(worker.pid)
+        named = sorted((r.pid, r.pid_start_ticks) for r in desc.regions if r.rank > 0)
+        assert named == sorted((c.pid, pid_start_ticks(c.pid)) for c in followers), desc
+
+
 def test_a_killed_rank_takes_its_worker_down_and_nothing_hangs(stack, prompts):
     p_tp, d_tp = stack.tp
     victim, peer, service = (stack.decode, stack.prefill, "prefill") if d_tp > 1 else \

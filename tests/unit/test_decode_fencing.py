@@ -132,6 +132,34 @@ def test_liveness_proves_death_only_from_the_process_or_a_new_incarnation():
         peers.close()
 
 
+def test_a_tensor_parallel_p_is_gone_only_once_every_rank_is():
+    """Each follower rank posts its own puts: rank 0's exit proves nothing while one of them runs,
+    nor while a follower's process is not named (a descriptor from an older P)."""
+    import os
+
+    from protos import registry_pb2
+
+    peers = PrefillPeers(lambda m: None, registry=_Registry())
+    try:
+        me, pid = host_id(), os.getpid()
+        live, dead = (pid, pid_start_ticks(pid)), (pid, pid_start_ticks(pid) + 1)
+        assert peers._gone(P_SEG, P_INC, ProcessId(me, *dead, (live,))) == ""
+        assert peers._gone(P_SEG, P_INC, ProcessId(me, *dead, (dead, dead))) == "process_gone"
+        assert peers._gone(P_SEG, P_INC, ProcessId(me, *dead, None)) == "absent"  # the registry decides
+        desc = registry_pb2.SegmentDescriptor(name=P_SEG, incarnation=P_INC, host_id=me, pid=dead[0],
+                                              pid_start_ticks=dead[1])
+        desc.regions.add(rank=0)
+        follower = desc.regions.add(rank=1, pid=live[0], pid_start_ticks=live[1])
+        peers.registry.desc = desc
+        assert peers._gone(P_SEG, P_INC, None) == ""
+        follower.pid_start_ticks = dead[1]
+        assert peers._gone(P_SEG, P_INC, None) == "process_gone"
+        follower.pid = 0  # not named
+        assert ProcessId.of(desc).ranks is None and peers._gone(P_SEG, P_INC, None) == ""
+    finally:
+        peers.close()
+
+
 def test_a_job_whose_p_is_proven_gone_frees_its_pages_without_quarantine(model):
     d = Decode(model)
     job = d.submit(PROMPT)

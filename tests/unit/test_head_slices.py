@@ -141,9 +141,14 @@ def _desc(name: str, addr: bytes, base: int) -> registry_pb2.SegmentDescriptor:
 
 
 def test_tp_descriptor_lists_every_rank_and_its_digest_covers_them():
+    from decode_svc.messages import ProcessId
+
     rank0, rank1 = _desc("d", b"a" * 16, 1 << 20), _desc("d#rank1", b"b" * 16, 1 << 20)  # same address
+    rank0.pid, rank0.pid_start_ticks, rank1.pid, rank1.pid_start_ticks = 100, 5, 4321, 7
     desc = tp_descriptor(rank0, [(0, 2), (2, 3)], [rank1])
     validate_descriptor(desc)  # two processes' regions may share an address
+    # the follower posts its own puts: its process travels with its region, for proofs of death
+    assert ProcessId.of(desc) == ProcessId("", 100, 5, ((4321, 7),))
     assert rank_regions(desc) == [RankRegion(0, 0, 2, 1 << 20, 4096), RankRegion(1, 2, 3, 1 << 20, 4096)]
     sub = rank_descriptor(desc, 1)
     validate_descriptor(sub)
