@@ -117,8 +117,10 @@ class PrefillPeers:
                 except Exception as e:  # never lose the outcome
                     self._post(DestResult(room, DestState.UNKNOWN, seg, inc, error=repr(e), process=proc))
                     return
+                if not (inc and resp.incarnation == inc):  # the pinned start's process is already at hand
+                    proc = self._process(resp.prefill_segment, resp.incarnation)
                 self._post(DestResult(room, DestState.ACCEPTED, resp.prefill_segment, resp.incarnation,
-                                      process=self._process(resp.prefill_segment, resp.incarnation)))
+                                      process=proc))
                 return
 
         self._pool.submit(call)

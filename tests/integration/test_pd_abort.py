@@ -16,9 +16,9 @@ import time
 import grpc
 import pytest
 
+from protos import prefill_pb2
 from tests.integration.conftest import (assert_idle_accounting, get_load, model_available,
                                         start_stack, start_worker)
-from protos import prefill_pb2
 from tests.integration.pd_driver import PDDriver, sampling
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="SmolLM2 is not pulled (halfmoon models pull)")
