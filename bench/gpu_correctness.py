@@ -80,6 +80,7 @@ def model_vs_transformers(shape: str, layers: int, dtype_name: str, tmpdir: str,
     out = {"shape": shape, "layers": layers, "dtype": dtype_name, "backend": type(runner.backend).__name__,
            "cuda_graph": runner.graph_runner is not None, "fused_ops": runner.model._fused is not None,
            "small_m_gemm_calls": getattr(runner.model._fused, "small_m_calls", 0),
+           "tuned_gemm_calls": getattr(getattr(runner.model._fused, "tuned", None), "calls", 0),
            "positions": [pre, n + decode_steps]}
     for k, w in want.items():
         out[f"rel_err_vs_hf_{k}"] = _rel(got, w[pre:n + decode_steps])

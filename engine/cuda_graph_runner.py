@@ -33,6 +33,7 @@ After sglang's ``cuda_graph_runner.py`` (buckets, padding, plan-before-replay) a
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 
 import torch
@@ -60,6 +61,11 @@ def graph_blas(bucket: int, env: str = "") -> str:
             raise ValueError(f"HALFMOON_DECODE_GRAPH_BLAS={env!r}: expected one of {GRAPH_BLAS_CHOICES}")
         return env
     return "cublaslt" if bucket >= CUBLASLT_FROM_BUCKET else "cublas"
+
+
+def _scope(tuned, rows: int, tune: bool):
+    """The tuned GEMM's scope for a bucket of ``rows`` (engine.tuned_gemm), or nothing when it is off."""
+    return contextlib.nullcontext() if tuned is None else tuned.scope(rows, tune)
 
 
 class _Planned(AttentionBackend):
@@ -185,10 +191,12 @@ class CudaGraphRunner:
         self._plan(b, None)
         batch = self._static_batch(b)
         planned = _Planned(self.backend, self.wrappers[b])
+        tuned = getattr(getattr(self.model, "_fused", None), "tuned", None)  # engine.tuned_gemm, or None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (cuBLAS handles, lazy inits)
+        # warm-up outside the graph (cuBLAS handles, lazy inits; the tuned GEMM times its candidates)
+        with torch.cuda.stream(stream), _scope(tuned, b, tune=True):
+            for _ in range(2):
                 self._fill_page_ids(b)
                 self.model(batch, planned)
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -196,7 +204,7 @@ class CudaGraphRunner:
         # TP: "thread_local" so that ProcessGroupNCCL's watchdog thread may still query the events of
         # collectives enqueued before the capture (global mode would fail the capture on that)
         mode = "thread_local" if getattr(self.runner, "tp", None) is not None else "global"
-        with torch.cuda.graph(g, pool=self.mempool, capture_error_mode=mode):
+        with torch.cuda.graph(g, pool=self.mempool, capture_error_mode=mode), _scope(tuned, b, tune=False):
             self._fill_page_ids(b)
             self.logits[b] = self.model(batch, planned)
         self.graphs[b] = g

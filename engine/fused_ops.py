@@ -16,6 +16,8 @@
 * SiLU(gate) * up -> ``flashinfer.activation.silu_and_mul``;
 * the o and down projections of a batch of at most 8 rows (decode at small batch) ->
   ``flashinfer.gemm.tinygemm_bf16`` on sm90+ (bf16): see :mod:`engine.small_m_gemm`;
+* optionally (env ``HALFMOON_TUNED_GEMM``, off by default), the projections captured in the decode
+  graphs -> ``flashinfer.mm_bf16`` with the autotuner's per-shape choice: see :mod:`engine.tuned_gemm`;
 * each residual add and the RMSNorm after it -> ``flashinfer.norm.fused_add_rmsnorm`` (one kernel,
   in place), the layers passing ``(hidden, residual)`` to each other as in sglang's Llama.
 
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 
 from engine.kvcache.rope_kv_store import rope_kv_store
 from engine.small_m_gemm import small_m_gemm_mode, small_m_projections, takes_small_m_gemm, tinygemm_available
+from engine.tuned_gemm import TunedGemm
 
 
 def fused_ops_supported(model) -> bool:
@@ -74,17 +77,22 @@ class FusedOps:
         self.small_m_pdl = mode == "tinygemm"
         self.small_m_on = small_m_projections()
         self.small_m_calls = 0  # projections issued on tinygemm (eager calls + graph captures)
+        # None unless HALFMOON_TUNED_GEMM asks for it; active only inside the graph runner's captures
+        self.tuned = TunedGemm.from_env(flashinfer, dev, next(model.parameters()).dtype)
 
     def linear(self, proj: str, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` for x [T, K], weight [N, K] -> [T, N] in x's dtype; small
-        batches on tinygemm when enabled for ``proj`` (one of :data:`PROJECTIONS`; see the module
-        docstring)."""
+        batches on tinygemm when enabled for ``proj`` (one of :data:`PROJECTIONS`), else inside a
+        tuned scope on the tuned GEMM (see the module docstring)."""
         if self.small_m is not None and proj in self.small_m_on and takes_small_m_gemm(x, weight):
             out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
             self.small_m(x, weight, out, bias, self.small_m_pdl)
             self.small_m_calls += 1
             return out
+        tuned = getattr(self, "tuned", None)
+        if tuned is not None and tuned.takes(proj, x, weight, bias):
+            return tuned(x, weight)
         return F.linear(x, weight, bias)
 
     def project(self, proj: str, module, x: torch.Tensor) -> torch.Tensor:
