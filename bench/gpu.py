@@ -73,8 +73,8 @@ def main(argv=None) -> int:
                    help="the sending engine polls without sleeping while a batch is in flight")
     p.add_argument("--pd-tokens", type=int, default=24, help="tokens generated per P/D request")
     p.add_argument("--transports", default=None, help="UCX_TLS for the transfer engines (default: UCX's choice)")
-    p.add_argument("--copy-bw", type=float, default=None, help="B/s (default: measured by ceilings, else 4.26e12)")
-    p.add_argument("--gemm-rate", type=float, default=None, help="FLOP/s (default: measured, else 788e12)")
+    p.add_argument("--copy-bw", type=float, default=None, help="B/s for the floors (default 4.26e12, the H200 nominal; on another GPU pass its `ceilings`)")
+    p.add_argument("--gemm-rate", type=float, default=None, help="FLOP/s for the floors (default 788e12, the H200 nominal; on another GPU pass its `ceilings`)")
     args = p.parse_args(argv)
     res = {}
     if os.path.exists(args.out):

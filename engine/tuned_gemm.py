@@ -1,4 +1,4 @@
-"""Autotuned GEMMs for the projections captured in the decode graphs (off by default; not measured yet).
+"""Autotuned GEMMs for the projections captured in the decode graphs (off by default).
 
 torch's ``F.linear`` asks cuBLAS (or cuBLASLt) for its heuristic's first algorithm for each shape.
 At decode shapes (M = 1-128 rows against a 4096-28672 x 4096-14336 weight) that first pick is not
@@ -8,7 +8,10 @@ autotuner times every candidate algorithm of a backend once per shape and keeps 
 
 * "cublaslt": every algorithm cuBLASLt's heuristic offers for the shape;
 * "cudnn": cuDNN's execution plans for the matmul graph;
-* "auto": both of those and tinygemm, whichever is fastest per shape.
+* "auto": both of those, tinygemm and TGV, whichever is fastest per shape. flashinfer 0.6.18 builds
+  its TGV candidate with the CuTe DSL, so "auto" needs the ``nvidia-cutlass-dsl`` package (import
+  name ``cutlass``); without it every auto call fails inside flashinfer with a LibraryError, so
+  :meth:`TunedGemm.from_env` refuses it at start instead.
 
 A decode graph of bucket ``b`` runs every projection at exactly ``b`` rows, so each bucket's capture
 tunes at that M alone (``tuning_buckets=(b,)``) in its warm-up forwards and captures with the tuned
@@ -25,6 +28,7 @@ Env: ``HALFMOON_TUNED_GEMM`` (:data:`TUNED_GEMM_BACKENDS`, default "off"),
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections.abc import Iterator
 
@@ -81,11 +85,15 @@ class TunedGemm:
     @classmethod
     def from_env(cls, fi, device: torch.device, dtype: torch.dtype) -> "TunedGemm | None":
         """The tuned GEMM the env asks for, or None when ``HALFMOON_TUNED_GEMM`` is "off". Raises
-        ValueError when it is asked for on a device or flashinfer without it, or a model not bf16."""
+        ValueError when it is asked for on a device or flashinfer without it, a model not bf16, or
+        "auto" without the CuTe DSL package."""
         backend = tuned_gemm_backend()
         on = tuned_projections()
         if backend == "off":
             return None
+        if backend == "auto" and importlib.util.find_spec("cutlass") is None:
+            raise ValueError("HALFMOON_TUNED_GEMM='auto': flashinfer's auto backend needs the CuTe DSL "
+                             "(pip install 'nvidia-cutlass-dsl[cu13]'); use 'cublaslt' or 'cudnn'")
         if not tuned_gemm_available(device, fi):
             raise ValueError(f"HALFMOON_TUNED_GEMM={backend!r}: needs an sm80+ GPU and a flashinfer with mm_bf16")
         if dtype != torch.bfloat16:
