@@ -34,7 +34,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.kvcache.page_allocator import PageAllocator
 from engine.kvcache.req_to_token_pool import ReqToTokenPool
 from engine.small_m_gemm import small_m_gemm_mode, small_m_projections
-from engine.tuned_gemm import tuned_gemm_backend, tuned_projections
+from engine.tuned_gemm import tuned_gemm_backend, tuned_projections, tuned_rows
 
 if TYPE_CHECKING:
     from engine.distributed.group import FollowerSpec, TPGroup
@@ -60,6 +60,7 @@ class ModelRunner:
         small_m_projections()
         tuned_gemm_backend()
         tuned_projections()
+        tuned_rows()
         graph_blas(1, os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", ""))
         config.apply_threads()
         self.config = config

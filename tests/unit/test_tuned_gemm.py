@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.small_m_gemm import PROJECTIONS
-from engine.tuned_gemm import TUNED_GEMM_BACKENDS, TunedGemm, tuned_gemm_backend, tuned_projections
+from engine.tuned_gemm import (DEFAULT_ROWS, TUNED_GEMM_BACKENDS, TunedGemm, tuned_gemm_backend, tuned_projections,
+                                tuned_rows)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 bf = torch.bfloat16
@@ -42,8 +43,16 @@ class _FakeFlashinfer:
 def test_backend_and_projections_come_from_env_and_reject_unknown_values(monkeypatch):
     monkeypatch.delenv("HALFMOON_TUNED_GEMM", raising=False)
     monkeypatch.delenv("HALFMOON_TUNED_GEMM_ON", raising=False)
-    assert tuned_gemm_backend() == "off"  # measured nowhere yet: not on by default
+    monkeypatch.delenv("HALFMOON_TUNED_GEMM_ROWS", raising=False)
+    assert tuned_gemm_backend() == "default"
     assert tuned_projections() == frozenset(PROJECTIONS)
+    assert tuned_rows() == DEFAULT_ROWS == (2, 32)  # where it won on the device
+    monkeypatch.setenv("HALFMOON_TUNED_GEMM_ROWS", " 8-64 ")
+    assert tuned_rows() == (8, 64)
+    for bad in ("8", "8-", "a-b", "0-4", "16-8", "1-2-3"):
+        monkeypatch.setenv("HALFMOON_TUNED_GEMM_ROWS", bad)
+        with pytest.raises(ValueError, match="HALFMOON_TUNED_GEMM_ROWS"):
+            tuned_rows()
     for backend in TUNED_GEMM_BACKENDS:
         monkeypatch.setenv("HALFMOON_TUNED_GEMM", backend)
         assert tuned_gemm_backend() == backend
@@ -58,8 +67,13 @@ def test_backend_and_projections_come_from_env_and_reject_unknown_values(monkeyp
 
 
 def test_asked_for_where_it_cannot_run_is_an_error_not_ignored(monkeypatch):
+    monkeypatch.delenv("HALFMOON_TUNED_GEMM_ROWS", raising=False)
     monkeypatch.setenv("HALFMOON_TUNED_GEMM", "off")
     assert TunedGemm.from_env(_FakeFlashinfer(), torch.device("cpu"), bf) is None
+    monkeypatch.setenv("HALFMOON_TUNED_GEMM", "default")  # the default is off where it cannot run
+    assert TunedGemm.from_env(_FakeFlashinfer(), torch.device("cpu"), bf) is None
+    monkeypatch.delenv("HALFMOON_TUNED_GEMM")
+    assert TunedGemm.from_env(_FakeFlashinfer(), torch.device("cpu"), torch.float32) is None
     monkeypatch.setenv("HALFMOON_TUNED_GEMM", "cublaslt")
     with pytest.raises(ValueError, match="sm80"):
         TunedGemm.from_env(_FakeFlashinfer(), torch.device("cpu"), bf)
@@ -80,7 +94,8 @@ def test_auto_without_the_cute_dsl_is_refused_at_start_not_at_the_first_capture(
         TunedGemm.from_env(_FakeFlashinfer(), torch.device("cpu"), bf)
 
 
-@pytest.mark.parametrize("var,value", [("HALFMOON_TUNED_GEMM", "fastest"), ("HALFMOON_TUNED_GEMM_ON", "embed")])
+@pytest.mark.parametrize("var,value", [("HALFMOON_TUNED_GEMM", "fastest"), ("HALFMOON_TUNED_GEMM_ON", "embed"),
+                                       ("HALFMOON_TUNED_GEMM_ROWS", "32-2")])
 def test_model_runner_rejects_a_bad_switch_before_loading_anything(monkeypatch, var, value):
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
@@ -114,6 +129,33 @@ def test_a_scope_tunes_or_looks_up_at_exactly_its_rows_and_is_the_only_place_it_
     with pytest.raises(RuntimeError), t.scope(4, tune=False):
         raise RuntimeError("a failed capture")
     assert not t.active and fi.open == 0  # left on no path
+
+
+def test_buckets_outside_its_rows_open_no_scope_and_keep_f_linear():
+    fi = _FakeFlashinfer()
+    t = TunedGemm(fi, "cublaslt", frozenset(PROJECTIONS), rows=DEFAULT_ROWS)
+    x, w = torch.ones(1, 64, dtype=bf), torch.ones(32, 64, dtype=bf)
+    for rows in (1, 33, 64, 128):  # where the tuned pick lost on the device
+        with t.scope(rows, tune=True):
+            assert not t.active and not t.takes("qkv", x, w, None)
+    assert fi.scopes == []
+    for rows in (2, 8, 32):
+        with t.scope(rows, tune=True):
+            assert t.active
+    assert [s[2] for s in fi.scopes] == [(2,), (8,), (32,)]
+
+
+def test_the_default_takes_cublaslt_on_buckets_of_2_to_32_where_it_can_run(monkeypatch):
+    import engine.tuned_gemm as tg
+
+    monkeypatch.delenv("HALFMOON_TUNED_GEMM", raising=False)
+    monkeypatch.delenv("HALFMOON_TUNED_GEMM_ROWS", raising=False)
+    monkeypatch.setattr(tg, "tuned_gemm_available", lambda device, fi: True)  # as on an sm80+ GPU
+    t = TunedGemm.from_env(_FakeFlashinfer(), torch.device("cpu"), bf)
+    assert t is not None and t.backend == "cublaslt" and t.rows == (2, 32) and t.on == frozenset(PROJECTIONS)
+    assert TunedGemm.from_env(_FakeFlashinfer(), torch.device("cpu"), torch.float16) is None  # bf16 only
+    monkeypatch.setenv("HALFMOON_TUNED_GEMM_ROWS", "1-256")
+    assert TunedGemm.from_env(_FakeFlashinfer(), torch.device("cpu"), bf).rows == (1, 256)
 
 
 def test_linear_dispatch_prefers_tinygemm_then_the_tuned_gemm_then_f_linear():
