@@ -16,9 +16,9 @@
 * SiLU(gate) * up -> ``flashinfer.activation.silu_and_mul``;
 * the o and down projections of a batch of at most 8 rows (decode at small batch) ->
   ``flashinfer.gemm.tinygemm_bf16`` on sm90+ (bf16): see :mod:`engine.small_m_gemm`;
-* the projections captured in the decode graphs of 2-32 rows (env ``HALFMOON_TUNED_GEMM``,
-  ``HALFMOON_TUNED_GEMM_ROWS``) -> ``flashinfer.mm_bf16`` with the autotuner's per-shape cuBLASLt
-  choice: see :mod:`engine.tuned_gemm`;
+* optionally (env ``HALFMOON_TUNED_GEMM``, off by default; ``HALFMOON_TUNED_GEMM_ROWS``), the
+  projections captured in the decode graphs -> ``flashinfer.mm_bf16`` with the autotuner's
+  per-shape choice: see :mod:`engine.tuned_gemm`;
 * each residual add and the RMSNorm after it -> ``flashinfer.norm.fused_add_rmsnorm`` (one kernel,
   in place), the layers passing ``(hidden, residual)`` to each other as in sglang's Llama.
 
@@ -78,7 +78,7 @@ class FusedOps:
         self.small_m_pdl = mode == "tinygemm"
         self.small_m_on = small_m_projections()
         self.small_m_calls = 0  # projections issued on tinygemm (eager calls + graph captures)
-        # None where it cannot run or HALFMOON_TUNED_GEMM=off; active only inside the graph runner's captures
+        # None unless HALFMOON_TUNED_GEMM asks for it; active only inside the graph runner's captures
         self.tuned = TunedGemm.from_env(flashinfer, dev, next(model.parameters()).dtype)
 
     def linear(self, proj: str, x: torch.Tensor, weight: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Autotuned GEMMs for the projections captured in the decode graphs of 2-32 rows (on by default).
+"""Autotuned GEMMs for the projections captured in the decode graphs (off by default).
 
 torch's ``F.linear`` asks cuBLAS (or cuBLASLt) for its heuristic's first algorithm for each shape.
 At decode shapes (M = 1-128 rows against a 4096-28672 x 4096-14336 weight) that first pick is not
@@ -12,16 +12,15 @@ backend once per shape and keeps the fastest:
   name ``cutlass``); without it every auto call fails inside flashinfer with a LibraryError, so
   :meth:`TunedGemm.from_env` refuses it at start instead.
 
-Measured (H100 80GB, Llama-3.1-8B shape bf16, decode-graph replay ms, off | cublaslt, two
-interleaved runs each; bench/results/GPU_NOTES.md, session 15): ctx 1k B=1 6.296 | 6.300-6.318,
-B=8 6.770-6.781 | 6.691-6.708, B=16 7.356 | 7.287-7.292, B=32 8.110 | 8.061-8.065, B=64 9.684-9.690
-| 9.729-9.739, B=128 12.970-12.976 | 13.000-13.005; ctx 4k B=1 6.426-6.429 | 6.463-6.474, B=8
-7.819-7.823 | 7.748-7.749, B=16 9.525-9.528 | 9.426, B=32 12.463-12.470 | 12.394-12.395, B=64
-18.129-18.142 | 18.219-18.225. The tuned kernels win from 8 to 32 rows (gate/up 78.6-79.1 µs against
-cuBLAS's 82.6-82.9 at M = 8-16, q/k/v 19.7-20.0 against 20.9-21.3 at M = 16-32) and lose at 1 row
-and from 64 (where the graphs' cuBLASLt captures already pick well), so by default only buckets of
-:data:`DEFAULT_ROWS` take it; 2-4 rows are in on the GEMM figures alone (gate/up 77.6-78.8 µs against
-81.5-81.9). cudnn won only at B=1 (-0.01 to -0.035 ms) and lost from 16 up.
+Why it stays off (H100 80GB, Llama-3.1-8B shape bf16, decode-graph replay, two interleaved runs a
+machine; bench/results/GPU_NOTES.md, session 15, calls 2-3): alone, the tuned kernels are 3-5 %
+faster than torch's pick at 2-16 rows (gate/up 77.6-79.1 µs against 81.5-82.9). In the step, on one
+machine cublaslt saved 0.05-0.10 ms at B = 8-32 and lost 0.02-0.09 ms at B = 1 and >= 64; on a
+second machine, with the same code, it saved 0.01-0.09 ms at B = 2-16 (ctx 1k) and *lost* 0.03-0.12 ms
+at B=32 and at B=16 ctx 4k. The autotuner times each GEMM alone; in the graph the neighbours'
+L2 and clock state differ, so its pick does not reliably beat cuBLAS's heuristic. cudnn won only at
+B=1 (-0.01 to -0.035 ms) and lost from 16 up. ``HALFMOON_TUNED_GEMM=cublaslt`` with
+``HALFMOON_TUNED_GEMM_ROWS=2-16`` is the setting to measure on a new machine.
 
 A decode graph of bucket ``b`` runs every projection at exactly ``b`` rows, so each bucket's capture
 tunes at that M alone (``tuning_buckets=(b,)``) in its warm-up forwards and captures with the tuned
@@ -29,9 +28,8 @@ choice (:meth:`TunedGemm.scope`); eager forwards (prefill, extend, graphs off) k
 The choice of tactic depends on the machine's clocks and the other shapes' L2 state, so it is made
 on the machine that serves; ``HALFMOON_TUNED_GEMM_CACHE`` keeps it in a JSON file across starts.
 
-Env: ``HALFMOON_TUNED_GEMM`` (:data:`TUNED_GEMM_BACKENDS`; default "default": "cublaslt" where it
-can run — an sm80+ GPU, a bf16 model, a flashinfer with mm_bf16 — else off),
-``HALFMOON_TUNED_GEMM_ROWS`` (the buckets that take it, "lo-hi" rows, default :data:`DEFAULT_ROWS`),
+Env: ``HALFMOON_TUNED_GEMM`` (:data:`TUNED_GEMM_BACKENDS`, default "off"),
+``HALFMOON_TUNED_GEMM_ROWS`` (the buckets that take it, "lo-hi" rows, default every bucket),
 ``HALFMOON_TUNED_GEMM_ON`` (comma list of projections, default all four),
 ``HALFMOON_TUNED_GEMM_CACHE`` (a path, default none). Projections of <= 8 rows that tinygemm takes
 (:mod:`engine.small_m_gemm`) stay on tinygemm.
@@ -48,14 +46,14 @@ import torch
 
 from engine.small_m_gemm import PROJECTIONS
 
-TUNED_GEMM_BACKENDS = ("default", "off", "cublaslt", "cudnn", "auto")
-DEFAULT_ROWS = (2, 32)  # the buckets (rows, inclusive) that take it unless HALFMOON_TUNED_GEMM_ROWS says
+TUNED_GEMM_BACKENDS = ("off", "cublaslt", "cudnn", "auto")
+ALL_ROWS = (1, 1 << 30)  # the buckets (rows, inclusive) that take it unless HALFMOON_TUNED_GEMM_ROWS says
 
 
 def tuned_gemm_backend() -> str:
-    """The backend from env ``HALFMOON_TUNED_GEMM`` (default "default"). Raises ValueError naming the
+    """The backend from env ``HALFMOON_TUNED_GEMM`` (default "off"). Raises ValueError naming the
     variable on any value not in :data:`TUNED_GEMM_BACKENDS`."""
-    backend = os.environ.get("HALFMOON_TUNED_GEMM", "default")
+    backend = os.environ.get("HALFMOON_TUNED_GEMM", "off")
     if backend not in TUNED_GEMM_BACKENDS:
         raise ValueError(f"HALFMOON_TUNED_GEMM={backend!r}: expected one of {TUNED_GEMM_BACKENDS}")
     return backend
@@ -63,11 +61,11 @@ def tuned_gemm_backend() -> str:
 
 def tuned_rows() -> tuple[int, int]:
     """The inclusive row range of the buckets that take the tuned GEMM, from env
-    ``HALFMOON_TUNED_GEMM_ROWS`` ("lo-hi", e.g. "2-32"; default :data:`DEFAULT_ROWS`). Raises
+    ``HALFMOON_TUNED_GEMM_ROWS`` ("lo-hi", e.g. "2-16"; default :data:`ALL_ROWS`). Raises
     ValueError naming the variable on anything but two integers 1 <= lo <= hi."""
     env = os.environ.get("HALFMOON_TUNED_GEMM_ROWS", "").strip()
     if not env:
-        return DEFAULT_ROWS
+        return ALL_ROWS
     lo, sep, hi = env.partition("-")
     try:
         rows = (int(lo), int(hi))
@@ -107,26 +105,22 @@ class TunedGemm:
     """
 
     def __init__(self, fi, backend: str, on: frozenset[str], cache: str | None = None,
-                 rows: tuple[int, int] = (1, 1 << 30)):
-        if backend not in TUNED_GEMM_BACKENDS[2:]:
-            raise ValueError(f"HALFMOON_TUNED_GEMM={backend!r}: expected one of {TUNED_GEMM_BACKENDS[2:]}")
+                 rows: tuple[int, int] = ALL_ROWS):
+        if backend not in TUNED_GEMM_BACKENDS[1:]:
+            raise ValueError(f"HALFMOON_TUNED_GEMM={backend!r}: expected one of {TUNED_GEMM_BACKENDS[1:]}")
         self.fi, self.backend, self.on, self.cache, self.rows = fi, backend, on, cache, rows
         self.active = False
         self.calls = 0  # projections issued on it (warm-ups + captures)
 
     @classmethod
     def from_env(cls, fi, device: torch.device, dtype: torch.dtype) -> "TunedGemm | None":
-        """The tuned GEMM the env asks for, or None when ``HALFMOON_TUNED_GEMM`` is "off" (or
-        "default" where it cannot run). Raises ValueError when a backend is named on a device or
-        flashinfer without it, a model not bf16, or "auto" without the CuTe DSL package."""
+        """The tuned GEMM the env asks for, or None when ``HALFMOON_TUNED_GEMM`` is "off". Raises
+        ValueError when it is asked for on a device or flashinfer without it, a model not bf16, or
+        "auto" without the CuTe DSL package."""
         backend = tuned_gemm_backend()
         on, rows = tuned_projections(), tuned_rows()
         if backend == "off":
             return None
-        if backend == "default":
-            if not tuned_gemm_available(device, fi) or dtype != torch.bfloat16:
-                return None
-            backend = "cublaslt"
         if backend == "auto" and importlib.util.find_spec("cutlass") is None:
             raise ValueError("HALFMOON_TUNED_GEMM='auto': flashinfer's auto backend needs the CuTe DSL "
                              "(pip install 'nvidia-cutlass-dsl[cu13]'); use 'cublaslt' or 'cudnn'")
