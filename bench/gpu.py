@@ -36,7 +36,7 @@ import time
 import torch
 
 from bench.gpu_attention import attn_micro
-from bench.gpu_ceilings import COPY_BW_DEFAULT, GEMM_DEFAULT, ceilings
+from bench.gpu_ceilings import ceilings, floor_ceilings
 from bench.gpu_correctness import backend_vs_torch, correctness, model_vs_transformers
 from bench.gpu_decode import decode
 from bench.gpu_prefill import prefill
@@ -73,8 +73,8 @@ def main(argv=None) -> int:
                    help="the sending engine polls without sleeping while a batch is in flight")
     p.add_argument("--pd-tokens", type=int, default=24, help="tokens generated per P/D request")
     p.add_argument("--transports", default=None, help="UCX_TLS for the transfer engines (default: UCX's choice)")
-    p.add_argument("--copy-bw", type=float, default=None, help="B/s for the floors (default 4.26e12, the H200 nominal; on another GPU pass its `ceilings`)")
-    p.add_argument("--gemm-rate", type=float, default=None, help="FLOP/s for the floors (default 788e12, the H200 nominal; on another GPU pass its `ceilings`)")
+    p.add_argument("--copy-bw", type=float, default=None, help="B/s for the floors (default: the GPU model's nominal, bench.gpu_ceilings.NOMINAL)")
+    p.add_argument("--gemm-rate", type=float, default=None, help="FLOP/s for the floors (default: the GPU model's nominal, bench.gpu_ceilings.NOMINAL)")
     args = p.parse_args(argv)
     res = {}
     if os.path.exists(args.out):
@@ -90,8 +90,7 @@ def main(argv=None) -> int:
         else:
             if sec in ("decode", "prefill", "prefill_parts"):
                 c = res.get("ceilings", {})
-                args.copy_bw = args.copy_bw or COPY_BW_DEFAULT
-                args.gemm_rate = args.gemm_rate or GEMM_DEFAULT
+                args.copy_bw, args.gemm_rate = floor_ceilings(args)
                 res.setdefault("meta", {})["floors_use"] = {"copy_bw_Bps": args.copy_bw, "gemm_flops": args.gemm_rate,
                                                             "measured_this_run": c}
             try:

@@ -9,11 +9,32 @@ import torch
 
 from bench.gpu_timing import events_ms
 
-# The floors use these nominal figures of the H200 machines the runs get (copy: bytes read + written,
-# as a device-to-device copy_ moves them; dense bf16 GEMM), not this run's ``ceilings`` (one run
-# measured 4.14 TB/s and 765 TFLOP/s: bench/results/GPU_NOTES.md), so that floors compare across runs
-COPY_BW_DEFAULT = 4.26e12  # B/s
-GEMM_DEFAULT = 788e12  # FLOP/s
+# The floors divide by a nominal figure per GPU model (copy: bytes read + written, as a
+# device-to-device copy_ moves them; dense bf16 GEMM 8192^3), not this run's ``ceilings``, so that
+# floors compare across runs on the same model (one H200 run measured 4.14 TB/s and 765 TFLOP/s,
+# the usual 4.26 and 788; H100 80GB HBM3 runs 2.96-2.99 TB/s and 770-790 TFLOP/s:
+# bench/results/GPU_NOTES.md). A model not listed gets this run's ceilings.
+NOMINAL = {"H200": (4.26e12, 788e12), "H100": (2.98e12, 780e12)}  # name substring -> (B/s, FLOP/s)
+COPY_BW_DEFAULT, GEMM_DEFAULT = NOMINAL["H200"]
+
+
+def nominal_ceilings(device_name: str) -> tuple[float, float] | None:
+    """(copy B/s, bf16 GEMM FLOP/s) the floors use for a GPU named ``device_name`` (as
+    ``torch.cuda.get_device_name`` gives it), or None for a model without nominal figures."""
+    for model, figures in NOMINAL.items():
+        if model in device_name:
+            return figures
+    return None
+
+
+def floor_ceilings(args) -> tuple[float, float]:
+    """The (copy B/s, GEMM FLOP/s) of the floors: ``args.copy_bw`` / ``args.gemm_rate`` where given,
+    else this GPU model's nominal figures, else measured now by :func:`ceilings`."""
+    nominal = nominal_ceilings(torch.cuda.get_device_name())
+    if nominal is None and not (args.copy_bw and args.gemm_rate):
+        c = ceilings(args)
+        nominal = (c["copy_bw_Bps"], c["gemm_flops"])
+    return args.copy_bw or nominal[0], args.gemm_rate or nominal[1]
 
 
 def ceilings(args) -> dict:
