@@ -80,12 +80,7 @@ def xqa_micro(args) -> dict:
                 xqa(q4, kv[i][0], kv[i][1], table, seq, x_out[i], xws, sem, KVH, PS,
                                    q_scale=1.0)  # xqa scales by q_scale / sqrt(D)
         # FA3 through the paged prefill wrapper: one query row per request (qo_indptr 0, 1, ..., B)
-        qo = torch.arange(B + 1, dtype=torch.int32)
-        w3 = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            ws3, "NHD", use_cuda_graph=True, backend="fa3",
-            qo_indptr_buf=qo.to(dev), paged_kv_indptr_buf=indptr.to(dev),
-            paged_kv_indices_buf=table.flatten().clone(),
-            paged_kv_last_page_len_buf=torch.full((B,), PS, dtype=torch.int32, device=dev))
+        qo, w3 = torch.arange(B + 1, dtype=torch.int32), None
         f3_out = [torch.empty(B, H, D, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
 
         def run_fa3():
@@ -93,7 +88,12 @@ def xqa_micro(args) -> dict:
                 w3.run(q, (kv[i][0], kv[i][1]), out=f3_out[i])
 
         row = {"batch": B, "context": C, "layers": layers}
-        try:
+        try:  # built inside: a flashinfer or GPU without FA3 records fa3_error, the other two still run
+            w3 = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                ws3, "NHD", use_cuda_graph=True, backend="fa3",
+                qo_indptr_buf=qo.to(dev), paged_kv_indptr_buf=indptr.to(dev),
+                paged_kv_indices_buf=table.flatten().clone(),
+                paged_kv_last_page_len_buf=torch.full((B,), PS, dtype=torch.int32, device=dev))
             w3.plan(qo, indptr, table.flatten().cpu(), torch.full((B,), PS, dtype=torch.int32), H, KVH, D, PS,
                     causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=D ** -0.5)
             row["fa3_us"] = _graph_us(run_fa3, layers)

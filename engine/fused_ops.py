@@ -78,7 +78,7 @@ class FusedOps:
         self.small_m_pdl = mode == "tinygemm"
         self.small_m_on = small_m_projections()
         self.small_m_calls = 0  # projections issued on tinygemm (eager calls + graph captures)
-        # None unless HALFMOON_TUNED_GEMM asks for it; active only inside the graph runner's captures
+        # None unless HALFMOON_TUNED_GEMM asks for it; active only in the graph runner's warm-ups (tuning) and captures
         self.tuned = TunedGemm.from_env(flashinfer, dev, next(model.parameters()).dtype)
 
     def linear(self, proj: str, x: torch.Tensor, weight: torch.Tensor,

@@ -16,7 +16,7 @@ Why it stays off (H100 80GB, Llama-3.1-8B shape bf16, decode-graph replay, two i
 machine; bench/results/GPU_NOTES.md, session 15, calls 2-3): alone, the tuned kernels are 3-5 %
 faster than torch's pick at 2-16 rows (gate/up 77.6-79.1 µs against 81.5-82.9). In the step, on one
 machine cublaslt saved 0.05-0.10 ms at B = 8-32 and lost 0.02-0.09 ms at B = 1 and >= 64; on a
-second machine, with the same code, it saved 0.01-0.09 ms at B = 2-16 (ctx 1k) and *lost* 0.03-0.12 ms
+second machine, with the same code, it saved 0.01-0.09 ms at B = 2, 8, 16 (ctx 1k), tied or lost at B=4, and *lost* 0.03-0.12 ms
 at B=32 and at B=16 ctx 4k. The autotuner times each GEMM alone; in the graph the neighbours'
 L2 and clock state differ, so its pick does not reliably beat cuBLAS's heuristic. cudnn won only at
 B=1 (-0.01 to -0.035 ms) and lost from 16 up. ``HALFMOON_TUNED_GEMM=cublaslt`` with
@@ -81,6 +81,8 @@ def tuned_projections() -> frozenset[str]:
     :data:`~engine.small_m_gemm.PROJECTIONS`; default all). Raises ValueError naming an unknown one."""
     env = os.environ.get("HALFMOON_TUNED_GEMM_ON", ",".join(PROJECTIONS))
     names = [n.strip() for n in env.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"HALFMOON_TUNED_GEMM_ON={env!r}: names no projection; expected some of {PROJECTIONS}")
     bad = [n for n in names if n not in PROJECTIONS]
     if bad:
         raise ValueError(f"HALFMOON_TUNED_GEMM_ON: unknown projection(s) {bad}; expected some of {PROJECTIONS}")

@@ -61,6 +61,9 @@ def test_backend_and_projections_come_from_env_and_reject_unknown_values(monkeyp
         tuned_gemm_backend()
     monkeypatch.setenv("HALFMOON_TUNED_GEMM_ON", "qkv, gate_up")
     assert tuned_projections() == {"qkv", "gate_up"}
+    monkeypatch.setenv("HALFMOON_TUNED_GEMM_ON", " , ")
+    with pytest.raises(ValueError, match="names no projection"):
+        tuned_projections()
     monkeypatch.setenv("HALFMOON_TUNED_GEMM_ON", "qkv,lm_head")
     with pytest.raises(ValueError, match="lm_head"):
         tuned_projections()
