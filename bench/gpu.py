@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         else:
             if sec in ("decode", "prefill", "prefill_parts"):
                 c = res.get("ceilings", {})
-                args.copy_bw, args.gemm_rate = floor_ceilings(args)
+                args.copy_bw, args.gemm_rate = floor_ceilings(args.copy_bw, args.gemm_rate, c)
                 res.setdefault("meta", {})["floors_use"] = {"copy_bw_Bps": args.copy_bw, "gemm_flops": args.gemm_rate,
                                                             "measured_this_run": c}
             try:

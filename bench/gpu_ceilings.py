@@ -15,7 +15,6 @@ from bench.gpu_timing import events_ms
 # the usual 4.26 and 788; H100 80GB HBM3 runs 2.96-2.99 TB/s and 770-790 TFLOP/s:
 # bench/results/GPU_NOTES.md). A model not listed gets this run's ceilings.
 NOMINAL = {"H200": (4.26e12, 788e12), "H100": (2.98e12, 780e12)}  # name substring -> (B/s, FLOP/s)
-COPY_BW_DEFAULT, GEMM_DEFAULT = NOMINAL["H200"]
 
 
 def nominal_ceilings(device_name: str) -> tuple[float, float] | None:
@@ -27,14 +26,16 @@ def nominal_ceilings(device_name: str) -> tuple[float, float] | None:
     return None
 
 
-def floor_ceilings(args) -> tuple[float, float]:
-    """The (copy B/s, GEMM FLOP/s) of the floors: ``args.copy_bw`` / ``args.gemm_rate`` where given,
-    else this GPU model's nominal figures, else measured now by :func:`ceilings`."""
+def floor_ceilings(copy_bw: float | None, gemm_rate: float | None,
+                   measured: dict | None = None) -> tuple[float, float]:
+    """The (copy B/s, GEMM FLOP/s) of the floors: ``copy_bw`` / ``gemm_rate`` where given (the
+    flags), else this GPU model's nominal figures, else this run's ceilings: ``measured`` (what
+    :func:`ceilings` returned earlier in the run) or measured now."""
     nominal = nominal_ceilings(torch.cuda.get_device_name())
-    if nominal is None and not (args.copy_bw and args.gemm_rate):
-        c = ceilings(args)
+    if nominal is None and not (copy_bw and gemm_rate):
+        c = measured if measured and "copy_bw_Bps" in measured else ceilings(None)
         nominal = (c["copy_bw_Bps"], c["gemm_flops"])
-    return args.copy_bw or nominal[0], args.gemm_rate or nominal[1]
+    return copy_bw or nominal[0], gemm_rate or nominal[1]
 
 
 def ceilings(args) -> dict:
