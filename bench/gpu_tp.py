@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from bench.gpu_ceilings import COPY_BW_DEFAULT
+from bench.gpu_ceilings import floor_ceilings
 
 BF16 = 2
 
@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="1024,4096")
     p.add_argument("--eager-batches", default="1,32", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--copy-bw", type=float, default=COPY_BW_DEFAULT, help="B/s per GPU (H200: 4.26e12)")
+    p.add_argument("--copy-bw", type=float, default=None,
+                   help="B/s per GPU (default: the GPU model's nominal, bench.gpu_ceilings.NOMINAL; H200 4.26e12)")
     p.add_argument("--collective-latency-us", type=float, default=8.0,
                    help="assumed time of one small NCCL collective inside a graph, microseconds")
     p.add_argument("--link-bw", type=float, default=450e9, help="assumed NVLink B/s per direction between the two GPUs")
@@ -140,6 +141,7 @@ def main(argv=None) -> int:
         print(f"error: bench.gpu_tp needs {max(args.tps)} CUDA devices (TP={max(args.tps)}); this host has {n}",
               file=sys.stderr)
         return 2
+    args.copy_bw, _ = floor_ceilings(args.copy_bw, None)
     res = run(args)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
