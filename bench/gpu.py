@@ -11,6 +11,8 @@ Sections (each adds one key to the JSON; each is a module, see its docstring):
   decode        bench/gpu_decode.py: 8B dummy weights, batch x context grid of step times vs the
                 floor (weight bytes + KV bytes read) / copy bandwidth
   prefill       bench/gpu_prefill.py: one long prompt, whole and chunked, vs the floor FLOPs / GEMM rate
+  prefill_attn  bench/gpu_prefill_attn.py: a whole prompt's causal attention alone, per kernel family
+                (flashinfer FA3 / FA2 / cuDNN, torch SDPA cuDNN / FlashAttention-2)
   prefill_parts bench/gpu_prefill_parts.py: the 8k pass's idle gaps, the fused RoPE + K/V store and
                 strided ragged attention alone, the pass with the fused store on and off
   profile       bench/gpu_profile.py: GPU time of an eager decode step by kernel
@@ -40,6 +42,7 @@ from bench.gpu_ceilings import ceilings, floor_ceilings
 from bench.gpu_correctness import backend_vs_torch, correctness, model_vs_transformers
 from bench.gpu_decode import decode
 from bench.gpu_prefill import prefill
+from bench.gpu_prefill_attn import prefill_attn
 from bench.gpu_prefill_parts import prefill_parts
 from bench.gpu_profile import graph_profile, host_profile, profile
 from bench.gpu_small_gemm import small_gemm
@@ -48,8 +51,8 @@ from bench.gpu_xqa import xqa_micro
 __all__ = ["backend_vs_torch", "main", "model_vs_transformers", "table"]
 
 SECTIONS = {"ceilings": ceilings, "correctness": correctness, "decode": decode, "prefill": prefill,
-            "prefill_parts": prefill_parts, "profile": profile, "graph_profile": graph_profile,
-            "host_profile": host_profile, "attn_micro": attn_micro, "small_gemm": small_gemm,
+            "prefill_parts": prefill_parts, "prefill_attn": prefill_attn, "profile": profile,
+            "graph_profile": graph_profile, "host_profile": host_profile, "attn_micro": attn_micro, "small_gemm": small_gemm,
             "xqa_micro": xqa_micro}
 
 
@@ -67,6 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=8192)
     p.add_argument("--prefill-backends", default="fa2,fa3",
                    help="kernels of the paged prefill wrapper to time besides the default (comma list)")
+    p.add_argument("--attn-candidates", default="",
+                   help="prefill_attn's kernels (comma list; default all, see bench/gpu_prefill_attn.py)")
     p.add_argument("--ref-layers", type=int, default=4, help="layers of the shapes compared with transformers")
     p.add_argument("--transfer-reps", type=int, default=5)
     p.add_argument("--transfer-busy-poll", action="store_true",
@@ -88,7 +93,7 @@ def main(argv=None) -> int:
 
             res[sec] = getattr(gpu_transfer, sec)(args)
         else:
-            if sec in ("decode", "prefill", "prefill_parts"):
+            if sec in ("decode", "prefill", "prefill_parts", "prefill_attn"):
                 c = res.get("ceilings", {})
                 args.copy_bw, args.gemm_rate = floor_ceilings(args.copy_bw, args.gemm_rate, c)
                 res.setdefault("meta", {})["floors_use"] = {"copy_bw_Bps": args.copy_bw, "gemm_flops": args.gemm_rate,
@@ -136,6 +141,15 @@ def table(res: dict) -> str:
                                  f"({pf['floor_ms'] / r['chunked_4x_ms']:.1%})")
                 else:
                     lines.append(f"  paged kernels {pb:4s} extend {mode:6s}: {r.get('error')}")
+    pa = res.get("prefill_attn")
+    if pa and "rows" in pa:
+        lines.append("prefill_attn  kernel       tokens  us/layer (2 runs)   TFLOP/s  of floor  max|diff| vs fi_fa3")
+        for r in pa["rows"]:
+            if "error" in r:
+                lines.append(f"              {r['name']:12s} {r['tokens']:6d}  {r['error'][:90]}")
+            else:
+                lines.append(f"              {r['name']:12s} {r['tokens']:6d}  {r['us_per_layer'][0]:8.1f} {r['us_per_layer'][1]:8.1f}"
+                             f"  {r['TFLOPs'][0]:8.0f}  {r['frac_of_floor'][0]:7.1%}  {r['max_abs_diff_vs_fi_fa3']}")
     cr = res.get("correctness")
     if cr and "backend_vs_torch" in cr:
         lines.append(f"flashinfer vs torch: {cr['backend_vs_torch']}")
