@@ -17,24 +17,21 @@ the same way::
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import create_backend, resolve_backend_name
-from engine.cuda_graph_runner import graph_blas
 from engine.config import EngineConfig, served_context
 from engine.forward_batch import ForwardBatch
+from engine.gpu_env import GpuPaths, check_gpu_env
 from engine.kvcache.kv_pool import KVPool, pages_for_budget
 from engine.models.cpu_linear import CpuLinear
 from engine.models.model_loader import load_model
 from engine.models.llama import LlamaForCausalLM
 from engine.kvcache.page_allocator import PageAllocator
 from engine.kvcache.req_to_token_pool import ReqToTokenPool
-from engine.small_m_gemm import small_m_gemm_mode, small_m_projections
-from engine.tuned_gemm import tuned_gemm_backend, tuned_projections, tuned_rows
 
 if TYPE_CHECKING:
     from engine.distributed.group import FollowerSpec, TPGroup
@@ -55,13 +52,9 @@ class ModelRunner:
         Raises InvalidRequestError(field="tp") when the model's heads cannot be split over ``tp_size``.
         """
         cpu_linear = CpuLinear.parse(config.cpu_linear)  # before anything is allocated
-        # the GPU decode path's env switches too (engine.small_m_gemm, engine.cuda_graph_runner)
-        small_m_gemm_mode()
-        small_m_projections()
-        tuned_gemm_backend()
-        tuned_projections()
-        tuned_rows()
-        graph_blas(1, os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", ""))
+        # the GPU path's env switches too: valid, and used by this engine (engine.gpu_env)
+        check_gpu_env(GpuPaths.of(torch.device(config.device), config.torch_dtype, config.fused_ops,
+                                  config.cuda_graph, config.attention_backend))
         config.apply_threads()
         self.config = config
         self.dtype = config.torch_dtype
