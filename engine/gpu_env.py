@@ -32,7 +32,7 @@ import torch
 
 from engine.cuda_graph_runner import graph_blas
 from engine.small_m_gemm import small_m_gemm_mode, small_m_projections
-from engine.tuned_gemm import tuned_gemm_backend, tuned_projections, tuned_rows
+from engine.tuned_gemm import tuned_cache, tuned_gemm_backend, tuned_projections, tuned_rows
 
 TUNED_SUB_SWITCHES = ("HALFMOON_TUNED_GEMM_ROWS", "HALFMOON_TUNED_GEMM_ON", "HALFMOON_TUNED_GEMM_CACHE")
 FLASHINFER_SWITCHES = ("HALFMOON_FLASHINFER_EXTEND", "HALFMOON_FLASHINFER_RAGGED", "HALFMOON_FLASHINFER_PREFILL",
@@ -75,6 +75,7 @@ def check_gpu_env(paths: GpuPaths) -> None:
     tuned = tuned_gemm_backend()
     tuned_projections()
     tuned_rows()
+    tuned_cache()
     graph_blas(1, os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", ""))
 
     why_ops = ("needs flashinfer's fused ops (a CUDA bf16/fp16 model, fused_ops on, flashinfer installed), "

@@ -31,7 +31,7 @@ on the machine that serves; ``HALFMOON_TUNED_GEMM_CACHE`` keeps it in a JSON fil
 Env: ``HALFMOON_TUNED_GEMM`` (:data:`TUNED_GEMM_BACKENDS`, default "off"),
 ``HALFMOON_TUNED_GEMM_ROWS`` (the buckets that take it, "lo-hi" rows, default every bucket),
 ``HALFMOON_TUNED_GEMM_ON`` (comma list of projections, default all four),
-``HALFMOON_TUNED_GEMM_CACHE`` (a path, default none). Projections of <= 8 rows that tinygemm takes
+``HALFMOON_TUNED_GEMM_CACHE`` (a path in an existing folder, default none). Projections of <= 8 rows that tinygemm takes
 (:mod:`engine.small_m_gemm`) stay on tinygemm.
 """
 
@@ -74,6 +74,18 @@ def tuned_rows() -> tuple[int, int]:
     if not sep or rows is None or not 1 <= rows[0] <= rows[1]:
         raise ValueError(f"HALFMOON_TUNED_GEMM_ROWS={env!r}: expected 'lo-hi' rows with 1 <= lo <= hi")
     return rows
+
+
+def tuned_cache() -> str | None:
+    """The autotuner's JSON file from env ``HALFMOON_TUNED_GEMM_CACHE`` (default none). flashinfer
+    loads it on entry to each tuning scope and replaces it atomically on exit (a temporary file in
+    the same folder, so tensor-parallel ranks may share one path). Raises ValueError naming the
+    variable when its folder does not exist: flashinfer would fail only at the first save, in the
+    graph warm-up after the model has loaded."""
+    path = os.environ.get("HALFMOON_TUNED_GEMM_CACHE") or None
+    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"HALFMOON_TUNED_GEMM_CACHE={path!r}: its folder does not exist")
+    return path
 
 
 def tuned_projections() -> frozenset[str]:
@@ -130,7 +142,7 @@ class TunedGemm:
             raise ValueError(f"HALFMOON_TUNED_GEMM={backend!r}: needs an sm80+ GPU and a flashinfer with mm_bf16")
         if dtype != torch.bfloat16:
             raise ValueError(f"HALFMOON_TUNED_GEMM={backend!r}: mm_bf16 needs a bfloat16 model, not {dtype}")
-        return cls(fi, backend, on, os.environ.get("HALFMOON_TUNED_GEMM_CACHE") or None, rows)
+        return cls(fi, backend, on, tuned_cache(), rows)
 
     def takes(self, proj: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Inside a scope, for an enabled ``proj``: x [T, K] and weight [N, K] both bf16 and

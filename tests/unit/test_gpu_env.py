@@ -78,6 +78,15 @@ def test_a_bad_value_is_named_before_the_no_effect_check(monkeypatch):
         check_gpu_env(CPU)
 
 
+def test_a_tuned_gemm_cache_in_a_missing_folder_is_refused_at_start(monkeypatch, tmp_path):
+    monkeypatch.setenv("HALFMOON_TUNED_GEMM", "cublaslt")
+    monkeypatch.setenv("HALFMOON_TUNED_GEMM_CACHE", str(tmp_path / "no-such-dir" / "tuned.json"))
+    with pytest.raises(ValueError, match="HALFMOON_TUNED_GEMM_CACHE=.*folder does not exist"):
+        check_gpu_env(ALL_ON)
+    monkeypatch.setenv("HALFMOON_TUNED_GEMM_CACHE", str(tmp_path / "tuned.json"))  # need not exist yet
+    check_gpu_env(ALL_ON)
+
+
 def test_empty_values_are_the_defaults_not_settings(monkeypatch):
     monkeypatch.setenv("HALFMOON_DECODE_GRAPH_BLAS", "")  # bench scripts pass "" for "the default"
     monkeypatch.setenv("HALFMOON_FLASHINFER_EXTEND", "")
