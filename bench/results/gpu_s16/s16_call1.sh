@@ -6,5 +6,5 @@ source scripts/gpu_call_env.sh
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 step prefill_attn
 timeout 420 python3 -m bench.gpu ceilings prefill_attn --out "$OUT/prefill_attn.json" 2>&1 \
-  | grep -vE "^prefill_attn \{" | grep -E "^ceilings|^prefill_attn|^ +[a-z_]+ +[0-9]+ |Error|error" | cut -c1-160
+  | grep -vE "^prefill_attn \{" | grep -E "^ceilings|^prefill_attn|^ +[a-z0-9_]+ +[0-9]+ |Error|error" | cut -c1-160
 step done
