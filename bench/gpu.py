@@ -13,6 +13,8 @@ Sections (each adds one key to the JSON; each is a module, see its docstring):
   prefill       bench/gpu_prefill.py: one long prompt, whole and chunked, vs the floor FLOPs / GEMM rate
   prefill_attn  bench/gpu_prefill_attn.py: a whole prompt's causal attention alone, per kernel family
                 (flashinfer FA3 / FA2 / cuDNN, torch SDPA cuDNN / FlashAttention-2)
+  gate_up_micro bench/gpu_gate_up.py: the MLP's gate/up GEMM + SiLU·mul at prefill sizes, cuBLAS +
+                flashinfer against the fused Triton kernel (engine/gate_up_silu.py) per tile
   prefill_parts bench/gpu_prefill_parts.py: the 8k pass's idle gaps, the fused RoPE + K/V store and
                 strided ragged attention alone, the pass with the fused store on and off
   profile       bench/gpu_profile.py: GPU time of an eager decode step by kernel
@@ -41,6 +43,7 @@ from bench.gpu_attention import attn_micro
 from bench.gpu_ceilings import ceilings, floor_ceilings
 from bench.gpu_correctness import backend_vs_torch, correctness, model_vs_transformers
 from bench.gpu_decode import decode
+from bench.gpu_gate_up import gate_up_micro
 from bench.gpu_prefill import prefill
 from bench.gpu_prefill_attn import prefill_attn
 from bench.gpu_prefill_parts import prefill_parts
@@ -53,7 +56,7 @@ __all__ = ["backend_vs_torch", "main", "model_vs_transformers", "table"]
 SECTIONS = {"ceilings": ceilings, "correctness": correctness, "decode": decode, "prefill": prefill,
             "prefill_parts": prefill_parts, "prefill_attn": prefill_attn, "profile": profile,
             "graph_profile": graph_profile, "host_profile": host_profile, "attn_micro": attn_micro, "small_gemm": small_gemm,
-            "xqa_micro": xqa_micro}
+            "xqa_micro": xqa_micro, "gate_up_micro": gate_up_micro}
 
 
 def main(argv=None) -> int:
@@ -93,7 +96,7 @@ def main(argv=None) -> int:
 
             res[sec] = getattr(gpu_transfer, sec)(args)
         else:
-            if sec in ("decode", "prefill", "prefill_parts", "prefill_attn"):
+            if sec in ("decode", "prefill", "prefill_parts", "prefill_attn", "gate_up_micro"):
                 c = res.get("ceilings", {})
                 args.copy_bw, args.gemm_rate = floor_ceilings(args.copy_bw, args.gemm_rate, c)
                 res.setdefault("meta", {})["floors_use"] = {"copy_bw_Bps": args.copy_bw, "gemm_flops": args.gemm_rate,
@@ -150,6 +153,16 @@ def table(res: dict) -> str:
             else:
                 lines.append(f"              {r['name']:12s} {r['tokens']:6d}  {r['us_per_layer'][0]:8.1f} {r['us_per_layer'][1]:8.1f}"
                              f"  {r['TFLOPs'][0]:8.0f}  {r['frac_of_floor'][0]:7.1%}  {r['max_abs_diff_vs_fi_fa3']}")
+    gu = res.get("gate_up_micro")
+    if gu and "rows" in gu:
+        lines.append("gate_up_micro  kernel               tile                     tokens  ms (2 runs)      of floor  rel diff")
+        for r in gu["rows"]:
+            tile = ",".join(map(str, r.get("tile", []))) or "-"
+            if "error" in r:
+                lines.append(f"               {r['name']:20s} {tile:24s} {r['tokens']:6d}  {r['error'][:80]}")
+            else:
+                lines.append(f"               {r['name']:20s} {tile:24s} {r['tokens']:6d}  {r['ms'][0]:7.3f} {r['ms'][1]:7.3f}"
+                             f"  {r['frac_of_floor']:7.1%}  {r['rel_max_diff']}")
     cr = res.get("correctness")
     if cr and "backend_vs_torch" in cr:
         lines.append(f"flashinfer vs torch: {cr['backend_vs_torch']}")
