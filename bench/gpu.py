@@ -24,6 +24,8 @@ Sections (each adds one key to the JSON; each is a module, see its docstring):
   small_gemm    bench/gpu_small_gemm.py: the decode step's GEMMs alone at M = 1..128, cuBLAS vs cuBLASLt
                 vs tinygemm (M <= 8, with and without programmatic dependent launch)
   xqa_micro     bench/gpu_xqa.py: a step's decode attention, flashinfer's graph-mode wrapper vs xqa
+  split_kv_micro bench/gpu_split_kv.py: the same against engine/attention/split_kv_decode.py per
+                launch shape
   transfer, pd  bench/gpu_transfer.py: KV transfer GPU0 -> GPU1 and P/D on two GPUs
 
 Floors are written before the run into bench/results/GPU_NOTES.md; this prints measured / floor.
@@ -49,6 +51,7 @@ from bench.gpu_prefill_attn import prefill_attn
 from bench.gpu_prefill_parts import prefill_parts
 from bench.gpu_profile import graph_profile, host_profile, profile
 from bench.gpu_small_gemm import small_gemm
+from bench.gpu_split_kv import split_kv_micro
 from bench.gpu_xqa import xqa_micro
 
 __all__ = ["backend_vs_torch", "main", "model_vs_transformers", "table"]
@@ -56,7 +59,7 @@ __all__ = ["backend_vs_torch", "main", "model_vs_transformers", "table"]
 SECTIONS = {"ceilings": ceilings, "correctness": correctness, "decode": decode, "prefill": prefill,
             "prefill_parts": prefill_parts, "prefill_attn": prefill_attn, "profile": profile,
             "graph_profile": graph_profile, "host_profile": host_profile, "attn_micro": attn_micro, "small_gemm": small_gemm,
-            "xqa_micro": xqa_micro, "gate_up_micro": gate_up_micro}
+            "xqa_micro": xqa_micro, "gate_up_micro": gate_up_micro, "split_kv_micro": split_kv_micro}
 
 
 def main(argv=None) -> int:
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
 
             res[sec] = getattr(gpu_transfer, sec)(args)
         else:
-            if sec in ("decode", "prefill", "prefill_parts", "prefill_attn", "gate_up_micro"):
+            if sec in ("decode", "prefill", "prefill_parts", "prefill_attn", "gate_up_micro", "split_kv_micro"):
                 c = res.get("ceilings", {})
                 args.copy_bw, args.gemm_rate = floor_ceilings(args.copy_bw, args.gemm_rate, c)
                 res.setdefault("meta", {})["floors_use"] = {"copy_bw_Bps": args.copy_bw, "gemm_flops": args.gemm_rate,
@@ -153,6 +156,14 @@ def table(res: dict) -> str:
             else:
                 lines.append(f"              {r['name']:12s} {r['tokens']:6d}  {r['us_per_layer'][0]:8.1f} {r['us_per_layer'][1]:8.1f}"
                              f"  {r['TFLOPs'][0]:8.0f}  {r['frac_of_floor'][0]:7.1%}  {r['max_abs_diff_vs_fi_fa3']}")
+    sk = res.get("split_kv_micro")
+    if sk and "rows" in sk:
+        lines.append("split_kv_micro  B   ctx  floor_us  flashinfer_us  split_kv default_us  best_us  (block_n, stages, ctas/SM, splits)")
+        for r in sk["rows"]:
+            d, b = r.get("default", {}), r.get("best", {})
+            lines.append(f"              {r['batch']:4d} {r['context']:5d} {r['floor_us']:8.2f} {r.get('flashinfer_us', float('nan')):13.2f}"
+                         f" {d.get('us', float('nan')):19.2f} {b.get('us', float('nan')):8.2f}  ({b.get('block_n')}, "
+                         f"{b.get('stages')}, {b.get('ctas_per_sm')}, {b.get('splits')})")
     gu = res.get("gate_up_micro")
     if gu and "rows" in gu:
         lines.append("gate_up_micro  kernel               tile                     tokens  ms (2 runs)      of floor  rel diff")

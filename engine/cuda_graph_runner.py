@@ -26,6 +26,11 @@ rank 0 picks the bucket and sends it with the batch (``engine.distributed.batch_
 replay that bucket (``replay(batch, bucket)``), padding with their own scratch page (the same page
 index on every rank: the pools have the same pages).
 
+Decode attention in the graphs (``HALFMOON_DECODE_ATTN``): "flashinfer" (the default) is the
+graph-mode decode wrapper above; "split_kv" is engine.attention.split_kv_decode, one Triton kernel a
+layer that reads the token slots from ``req_to_token`` and the lengths from ``seq_lens`` on the device:
+no plan, no page-table gather, and the replay copies ``seq_lens`` with the other inputs.
+
 After sglang's ``cuda_graph_runner.py`` (buckets, padding, plan-before-replay) and flashinfer's
 ``use_cuda_graph`` decode wrappers.
 """
@@ -50,6 +55,17 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 # only the H200 with bf16 Llama-8B shapes was measured.
 CUBLASLT_FROM_BUCKET = 32
 GRAPH_BLAS_CHOICES = ("cublas", "cublaslt")
+DECODE_ATTN_CHOICES = ("flashinfer", "split_kv")
+
+
+def decode_attention(env: str | None = None) -> str:
+    """The decode attention kernel of the graphs: ``env`` (default: ``HALFMOON_DECODE_ATTN``; empty
+    means "flashinfer"). Raises ValueError on a value not in :data:`DECODE_ATTN_CHOICES`."""
+    env = os.environ.get("HALFMOON_DECODE_ATTN", "") if env is None else env
+    name = env or "flashinfer"
+    if name not in DECODE_ATTN_CHOICES:
+        raise ValueError(f"HALFMOON_DECODE_ATTN={env!r}: expected one of {DECODE_ATTN_CHOICES}")
+    return name
 
 
 def graph_blas(bucket: int, env: str = "") -> str:
@@ -87,6 +103,30 @@ class _Planned(AttentionBackend):
 
     def attend(self, q, k, v, layer, batch):
         return self.backend.attend(q, k, v, layer, batch)
+
+
+class _SplitKV(AttentionBackend):
+    """The backend with decode attention on engine.attention.split_kv_decode: K/V stores are the
+    backend's own (``store_kv``, or the caller's fused RoPE + store before ``attend``)."""
+
+    has_attend = True
+
+    def __init__(self, backend: FlashInferAttentionBackend, kernel):
+        super().__init__(backend.kv_pool, backend.req_to_token_pool, backend.num_heads, backend.num_kv_heads,
+                         backend.head_dim, backend.scale)
+        self.kernel = kernel
+
+    def init_forward(self, batch) -> None:
+        pass  # nothing to plan: the kernel reads req_to_token and seq_lens on the device
+
+    def forward(self, q, k, v, layer, batch):
+        self.store_kv(layer, batch, k, v)
+        return self.attend(q, k, v, layer, batch)
+
+    def attend(self, q, k, v, layer, batch):
+        o = self.kernel(q, self.kv_pool.k_pages(layer), self.kv_pool.v_pages(layer),
+                        self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens)
+        return o.view(q.shape[0], self.num_heads * self.head_dim)
 
 
 class CudaGraphRunner:
@@ -130,6 +170,13 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.mempool = torch.cuda.graph_pool_handle()
+        self.split_kv = None
+        if decode_attention() == "split_kv":
+            from engine.attention.split_kv_decode import SplitKVDecode
+
+            be = self.backend
+            self.split_kv = SplitKVDecode(be.num_heads, be.num_kv_heads, be.head_dim, ps, max_batch, dev,
+                                          scale=be.scale)
         if getattr(runner, "tp", None) is not None:
             # an eager collective first: the NCCL communicator exists before any capture, and every
             # rank starts capturing together; then no collective work is in flight during capture
@@ -175,6 +222,10 @@ class CudaGraphRunner:
         pages = torch.div(r2t[self.rows[:b][entry], pos], self.page_size, rounding_mode="floor")
         self.indices[: j.numel()].copy_(pages)
 
+    def _page_ids(self, b: int) -> None:
+        if self.split_kv is None:  # the split-KV kernel reads req_to_token itself
+            self._fill_page_ids(b)
+
     def _capture(self, b: int) -> None:
         # the BLAS library of the captured GEMMs (see graph_blas) is baked into the graph
         lib = graph_blas(b, os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", ""))
@@ -186,18 +237,21 @@ class CudaGraphRunner:
             torch.backends.cuda.preferred_blas_library(before)
 
     def _capture_with_current_blas(self, b: int) -> None:
-        self.indptr[b] = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
-        self.wrappers[b] = self.backend.make_decode_wrapper(b, self.indices, self.indptr[b])
-        self._plan(b, None)
+        if self.split_kv is None:
+            self.indptr[b] = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
+            self.wrappers[b] = self.backend.make_decode_wrapper(b, self.indices, self.indptr[b])
+            self._plan(b, None)
+            planned = _Planned(self.backend, self.wrappers[b])
+        else:
+            planned = _SplitKV(self.backend, self.split_kv)
         batch = self._static_batch(b)
-        planned = _Planned(self.backend, self.wrappers[b])
         tuned = getattr(getattr(self.model, "_fused", None), "tuned", None)  # engine.tuned_gemm, or None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # warm-up outside the graph (cuBLAS handles, lazy inits; the tuned GEMM times its candidates)
         with torch.cuda.stream(stream), _scope(tuned, b, tune=True):
             for _ in range(2):
-                self._fill_page_ids(b)
+                self._page_ids(b)
                 self.model(batch, planned)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
@@ -205,7 +259,7 @@ class CudaGraphRunner:
         # collectives enqueued before the capture (global mode would fail the capture on that)
         mode = "thread_local" if getattr(self.runner, "tp", None) is not None else "global"
         with torch.cuda.graph(g, pool=self.mempool, capture_error_mode=mode), _scope(tuned, b, tune=False):
-            self._fill_page_ids(b)
+            self._page_ids(b)
             self.logits[b] = self.model(batch, planned)
         self.graphs[b] = g
 
@@ -231,6 +285,10 @@ class CudaGraphRunner:
             self.positions[B:b].zero_()
             self.rows[B:b].zero_()
             self.out_cache_loc[B:b].fill_(self.scratch_slot)
-        self._plan(b, batch)
+        if self.split_kv is None:
+            self._plan(b, batch)
+        else:  # the kernel's lengths come from the device: pad entries read one token of row 0
+            self.seq_lens[:B].copy_(batch.seq_lens, non_blocking=True)
+            self.seq_lens[B:b].fill_(1)
         self.graphs[b].replay()
         return self.logits[b][:B]

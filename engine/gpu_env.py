@@ -8,7 +8,7 @@ switch                                                takes effect in
 ``HALFMOON_SMALL_M_GEMM``, ``_ON``                    flashinfer's fused ops (CUDA, bf16/fp16,
 ``HALFMOON_FUSED_ROPE_STORE``                         ``fused_ops`` on, flashinfer installed)
 ``HALFMOON_TUNED_GEMM``, ``_ROWS``, ``_ON``, ``_CACHE``  those fused ops inside CUDA-graph decode
-``HALFMOON_DECODE_GRAPH_BLAS``                        CUDA-graph decode (``cuda_graph`` on and the
+``HALFMOON_DECODE_GRAPH_BLAS``, ``_DECODE_ATTN``      CUDA-graph decode (``cuda_graph`` on and the
                                                       flashinfer attention backend)
 ``HALFMOON_FLASHINFER_EXTEND``, ``_RAGGED``,           the flashinfer attention backend
 ``_PREFILL``, ``_DECODE_TENSOR_CORES``
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graph_runner import graph_blas
+from engine.cuda_graph_runner import decode_attention, graph_blas
 from engine.small_m_gemm import small_m_gemm_mode, small_m_projections
 from engine.tuned_gemm import tuned_cache, tuned_gemm_backend, tuned_projections, tuned_rows
 
@@ -77,6 +77,7 @@ def check_gpu_env(paths: GpuPaths) -> None:
     tuned_rows()
     tuned_cache()
     graph_blas(1, os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", ""))
+    decode_attention()
 
     why_ops = ("needs flashinfer's fused ops (a CUDA bf16/fp16 model, fused_ops on, flashinfer installed), "
                "which this engine does not run")
@@ -97,6 +98,9 @@ def check_gpu_env(paths: GpuPaths) -> None:
             raise ValueError(f"{name} has no effect while HALFMOON_TUNED_GEMM is off")
     if _set("HALFMOON_DECODE_GRAPH_BLAS") and not paths.graphs:
         raise ValueError("HALFMOON_DECODE_GRAPH_BLAS picks the BLAS of CUDA-graph captures; this engine "
+                         "captures none (cuda_graph off, or not the flashinfer attention backend)")
+    if _set("HALFMOON_DECODE_ATTN") and not paths.graphs:
+        raise ValueError("HALFMOON_DECODE_ATTN picks the decode attention of CUDA-graph captures; this engine "
                          "captures none (cuda_graph off, or not the flashinfer attention backend)")
     for name in FLASHINFER_SWITCHES:
         if _set(name) and not paths.flashinfer_attention:

@@ -12,7 +12,7 @@ from engine.gpu_env import FLASHINFER_SWITCHES, TUNED_SUB_SWITCHES, GpuPaths, ch
 ALL_ON = GpuPaths(flashinfer_ops=True, graphs=True, flashinfer_attention=True)
 CPU = GpuPaths(flashinfer_ops=False, graphs=False, flashinfer_attention=False)
 ALL_SWITCHES = ("HALFMOON_SMALL_M_GEMM", "HALFMOON_SMALL_M_GEMM_ON", "HALFMOON_FUSED_ROPE_STORE",
-                "HALFMOON_TUNED_GEMM", *TUNED_SUB_SWITCHES, "HALFMOON_DECODE_GRAPH_BLAS", *FLASHINFER_SWITCHES)
+                "HALFMOON_TUNED_GEMM", *TUNED_SUB_SWITCHES, "HALFMOON_DECODE_GRAPH_BLAS", "HALFMOON_DECODE_ATTN", *FLASHINFER_SWITCHES)
 
 
 @pytest.fixture(autouse=True)
@@ -31,6 +31,7 @@ def test_nothing_set_is_fine_for_every_engine(paths):
                                        ("HALFMOON_TUNED_GEMM", "cublaslt"), ("HALFMOON_TUNED_GEMM_ROWS", "2-16"),
                                        ("HALFMOON_TUNED_GEMM_CACHE", "/tmp/tuned.json"),
                                        ("HALFMOON_DECODE_GRAPH_BLAS", "cublas"),
+                                       ("HALFMOON_DECODE_ATTN", "split_kv"),
                                        *[(n, "0" if n.endswith("CORES") else "fa2") for n in FLASHINFER_SWITCHES
                                          if n != "HALFMOON_FLASHINFER_EXTEND"],
                                        ("HALFMOON_FLASHINFER_EXTEND", "paged")])
@@ -98,3 +99,13 @@ def test_paths_mirror_the_model_runners_choices():
     assert fi == CPU
     assert GpuPaths.of(torch.device("cpu"), torch.bfloat16, True, True, "flashinfer").flashinfer_attention
     assert not GpuPaths.of(torch.device("cpu"), torch.bfloat16, True, True, "flashinfer").flashinfer_ops
+
+
+def test_the_decode_attention_switch_needs_graphs_and_a_known_kernel(monkeypatch):
+    monkeypatch.setenv("HALFMOON_DECODE_ATTN", "split_kv")
+    check_gpu_env(ALL_ON)
+    with pytest.raises(ValueError, match="HALFMOON_DECODE_ATTN picks the decode attention of CUDA-graph"):
+        check_gpu_env(GpuPaths(flashinfer_ops=True, graphs=False, flashinfer_attention=True))
+    monkeypatch.setenv("HALFMOON_DECODE_ATTN", "xqa")
+    with pytest.raises(ValueError, match="HALFMOON_DECODE_ATTN='xqa': expected one of"):
+        check_gpu_env(ALL_ON)

@@ -174,10 +174,14 @@ def test_model_matches_transformers_on_gpu(shape):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("decode_attn", ["", "split_kv"])
 @pytest.mark.parametrize("n_req,max_bs,bucket", [(3, 8, 4), (29, 32, 32)])
-def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket):
+def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode_attn, monkeypatch):
     """A decode batch of 3 (bucket 4: o/down on tinygemm) or 29 (bucket 32: captured under cuBLASLt)
-    through the graph equals the eager forward, and the pad entries write only the scratch page."""
+    through the graph equals the eager forward (flashinfer's decode wrapper), and the pad entries
+    write only the scratch page; with ``HALFMOON_DECODE_ATTN=split_kv`` the graphs attend with
+    engine.attention.split_kv_decode (bucket 4: 4 x 2 kv heads -> 32 splits, most of them empty, merged in-kernel)."""
+    monkeypatch.setenv("HALFMOON_DECODE_ATTN", decode_attn)
     from engine.config import EngineConfig
     from engine.forward_batch import ForwardBatch, ForwardMode
     from engine.model_runner import ModelRunner
@@ -195,6 +199,7 @@ def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket):
                                  num_pages=256, max_running_requests=max_bs, max_context=512,
                                  cuda_graph_max_bs=max_bs))
     assert r.graph_runner is not None and r.graph_runner.bucket_for(n_req) == bucket
+    assert (r.graph_runner.split_kv is not None) == (decode_attn == "split_kv")
     for buf in r.kv_pool.buffers():
         buf.normal_()
     rows, locs, lens = [], [], ([5, 40, 17] + [3 + 7 * i % 60 for i in range(n_req - 3)])[:n_req]

@@ -1,0 +1,100 @@
+"""``split_kv_micro`` section of the GPU benchmark: a decode step's attention (32 layers of distinct KV,
+Llama-8B heads, bf16, page 16, pages shuffled) captured in one CUDA graph, flashinfer's graph-mode
+tensor-core decode wrapper (split-KV kernel + merge kernel a layer, the engine's default) against
+engine.attention.split_kv_decode (one Triton kernel a layer, partials merged in-kernel) for each
+launch shape of a small grid (tokens a tile x pipeline stages x programs per SM; 4 warps). Reports
+µs a layer, TB/s of KV read, the largest |difference| from the wrapper's output, and per case the
+fastest shape beside the engine's default shape (:class:`SplitConfig`'s defaults).
+
+The wrapper side is the same setup as ``xqa_micro`` (bench/gpu_xqa.py); floor: KV bytes / copy
+bandwidth (the graph-replay time of one layer can not go below it).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from bench.gpu_xqa import CASES, D, H, KVH, LAYERS, PS, _graph_us
+from engine.attention.split_kv_decode import SplitConfig, SplitKVDecode, num_splits
+
+GRID = [SplitConfig(block_n=n, stages=s, ctas_per_sm=c) for n, s, c in itertools.product((16, 32, 64), (2, 3), (1, 2, 4))]
+
+
+def split_kv_micro(args) -> dict:
+    """See the module docstring."""
+    import flashinfer
+
+    dev, rows = "cuda", []
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default = SplitConfig()
+    for B, C in CASES:
+        npr = C // PS
+        P = B * npr
+        layers = LAYERS if 2 * P * PS * KVH * D * 2 * LAYERS <= (16 << 30) else 4
+        kv = [torch.randn(2, P + 1, PS, KVH, D, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+        table = torch.randperm(P, device=dev).to(torch.int32).view(B, npr)
+        q = torch.randn(B, H, D, dtype=torch.bfloat16, device=dev)
+        indptr = torch.arange(0, P + 1, npr, dtype=torch.int32)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.zeros(B + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=table.flatten().clone(),
+            paged_kv_last_page_len_buffer=torch.ones(B, dtype=torch.int32, device=dev))
+        w.plan(indptr, table.flatten().cpu(), torch.full((B,), PS, dtype=torch.int32), H, KVH, D, PS,
+               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=D ** -0.5)
+        fi_out = [torch.empty(B, H, D, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+
+        def run_fi():
+            for i in range(layers):
+                w.run(q, (kv[i][0], kv[i][1]), out=fi_out[i])
+
+        # the engine's inputs: token slots per row (req_to_token), rows, lengths
+        t = torch.arange(C, device=dev)
+        r2t = (table[:, t // PS].long() * PS + t % PS).to(torch.int32)  # [B, C]
+        req_rows = torch.arange(B, device=dev)
+        seq = torch.full((B,), C, dtype=torch.int64, device=dev)
+        byts = 2 * B * C * KVH * D * 2
+        row = {"batch": B, "context": C, "layers": layers, "floor_us": byts / args.copy_bw * 1e6, "shapes": []}
+        try:
+            row["flashinfer_us"] = _graph_us(run_fi, layers)
+            row["flashinfer_TBps"] = byts / row["flashinfer_us"] / 1e6
+        except Exception as e:
+            row["flashinfer_error"] = repr(e)[:300]
+        for cfg in GRID:
+            att = SplitKVDecode(H, KVH, D, PS, B, dev, scale=D ** -0.5, sms=sms, config=cfg)
+            outs = [torch.empty(B, H, D, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+
+            def run_sk():
+                for i in range(layers):
+                    att(q, kv[i][0], kv[i][1], r2t, req_rows, seq, out=outs[i])
+
+            shape = {"block_n": cfg.block_n, "stages": cfg.stages, "ctas_per_sm": cfg.ctas_per_sm,
+                     "splits": num_splits(B, KVH, sms, cfg.ctas_per_sm)}
+            try:
+                shape["us"] = _graph_us(run_sk, layers)
+                shape["TBps"] = byts / shape["us"] / 1e6
+                if "flashinfer_us" in row:
+                    shape["max_abs_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(fi_out, outs))
+                shape["counters_zero"] = int(att.counter.abs().sum()) == 0
+            except Exception as e:
+                shape["error"] = repr(e)[:300]
+            row["shapes"].append(shape)
+            if cfg == default:
+                row["default"] = shape
+            del att, outs
+        ok = [s for s in row["shapes"] if "us" in s]
+        if ok:
+            row["best"] = min(ok, key=lambda s: s["us"])
+        fi = row.get("flashinfer_us", float("nan"))
+        best, dflt = row.get("best", {}), row.get("default", {})
+        print(f"split_kv_micro B={B:4d} ctx={C:5d}: flashinfer {fi:7.2f} us/layer | default "
+              f"{dflt.get('us', float('nan')):7.2f} | best {best.get('us', float('nan')):7.2f} "
+              f"(n{best.get('block_n')} s{best.get('stages')} c{best.get('ctas_per_sm')} S{best.get('splits')}) "
+              f"max|diff| {best.get('max_abs_diff', float('nan')):.2e} floor {row['floor_us']:.2f}", flush=True)
+        rows.append(row)
+        del kv, w
+        torch.cuda.empty_cache()
+    return {"rows": rows}
