@@ -2,7 +2,8 @@
 Llama-8B heads, bf16, page 16, pages shuffled) captured in one CUDA graph, flashinfer's graph-mode
 tensor-core decode wrapper (split-KV kernel + merge kernel a layer, the engine's default) against
 engine.attention.split_kv_decode (one Triton kernel a layer, partials merged in-kernel) for each
-launch shape of a small grid (tokens a tile x pipeline stages x programs per SM; 4 warps). Reports
+launch shape of a small grid (32/64 tokens a tile x 2/3 pipeline stages x 1/2/4 programs per SM;
+4 warps). Reports
 µs a layer, TB/s of KV read, the largest |difference| from the wrapper's output, and per case the
 fastest shape beside the engine's default shape (:class:`SplitConfig`'s defaults).
 
@@ -19,7 +20,7 @@ import torch
 from bench.gpu_xqa import CASES, D, H, KVH, LAYERS, PS, _graph_us
 from engine.attention.split_kv_decode import SplitConfig, SplitKVDecode, num_splits
 
-GRID = [SplitConfig(block_n=n, stages=s, ctas_per_sm=c) for n, s, c in itertools.product((16, 32, 64), (2, 3), (1, 2, 4))]
+GRID = [SplitConfig(block_n=n, stages=s, ctas_per_sm=c) for n, s, c in itertools.product((32, 64), (2, 3), (1, 2, 4))]
 
 
 def split_kv_micro(args) -> dict:

@@ -44,15 +44,16 @@ MAX_GROUP = 16  # query heads per KV head: the q tile is padded to 16 rows (tl.d
 class SplitConfig:
     """Launch shape: ``block_n`` tokens a tile (a power of two >= 16), ``warps``, ``stages`` (software
     pipelining depth of the tile loop), ``ctas_per_sm``: :func:`num_splits` aims at this many
-    programs per SM."""
+    programs per SM. The defaults were the fastest of 18 shapes at B=1 and at B >= 32 on an H100
+    (``python -m bench.gpu split_kv_micro``; bench/results/GPU_NOTES.md, session 17)."""
 
-    block_n: int = 32
+    block_n: int = 64
     warps: int = 4
-    stages: int = 2
-    ctas_per_sm: int = 2
+    stages: int = 3
+    ctas_per_sm: int = 1
 
 
-def num_splits(batch: int, kv_heads: int, sms: int, ctas_per_sm: int = 2) -> int:
+def num_splits(batch: int, kv_heads: int, sms: int, ctas_per_sm: int = 1) -> int:
     """Chunks per (request, KV head): enough programs for ``ctas_per_sm * sms`` (a batch too small to
     fill the GPU splits each row), 1 to :data:`MAX_SPLITS`. A fixed count per batch size, so a CUDA
     graph captured at that batch size stays valid for any lengths."""
@@ -68,7 +69,7 @@ def _build():
     def split_kv_decode_kernel(q, kc, vc, r2t, rows, seq_lens, out, part_acc, part_ml, counter,
                                sq_b, sq_h, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, s_r2t, so_b, so_h, scale_log2,
                                KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                               PS: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr):
+                               PS: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // KVH
@@ -108,32 +109,24 @@ def _build():
         if S == 1:
             tl.store(o_ptr, (acc / tl.where(gmask, l, 1.0)[:, None]).to(out.dtype.element_ty), mask=gmask[:, None])
         else:
-            base = bh * S + split
-            tl.store(part_acc + (base * G + g[:, None]) * D + d[None, :], acc, mask=gmask[:, None])
-            tl.store(part_ml + (base * G + g) * 2, m, mask=gmask)
-            tl.store(part_ml + (base * G + g) * 2 + 1, l, mask=gmask)
+            pg = (bh * G + g) * S + split  # partials laid out [b, h, g, split]: a merge reads [S, D] at once
+            tl.store(part_acc + pg[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+            tl.store(part_ml + pg * 2, m, mask=gmask)
+            tl.store(part_ml + pg * 2 + 1, l, mask=gmask)
             tl.debug_barrier()  # every thread's partial is written before the ticket is taken
             ticket = tl.atomic_add(counter + bh, 1, sem="acq_rel")
-            if ticket == S - 1:  # the last program of (b, h): merge the S partials
-                m_all = tl.full([GP], float("-inf"), tl.float32)
-                for i in range(S):
-                    mi = tl.load(part_ml + ((bh * S + i) * G + g) * 2, mask=gmask, other=float("-inf"),
+            if ticket == S - 1:  # the last program of (b, h): merge the S partials, one query head at a time
+                sp = tl.arange(0, SP)
+                smask = sp < S
+                for gi in tl.static_range(G):
+                    pi = (bh * G + gi) * S + sp
+                    mi = tl.load(part_ml + pi * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
+                    li = tl.load(part_ml + pi * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
+                    ai = tl.load(part_acc + pi[:, None] * D + d[None, :], mask=smask[:, None], other=0.0,
                                  cache_modifier=".cg")
-                    m_all = tl.maximum(m_all, mi)
-                m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-                l_all = tl.zeros([GP], tl.float32)
-                o_all = tl.zeros([GP, D], tl.float32)
-                for i in range(S):
-                    pi = (bh * S + i) * G + g
-                    mi = tl.load(part_ml + pi * 2, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-                    li = tl.load(part_ml + pi * 2 + 1, mask=gmask, other=0.0, cache_modifier=".cg")
-                    w = tl.exp2(mi - m_safe)  # an empty chunk (m = -inf, l = 0) weighs 0
-                    l_all += li * w
-                    ai = tl.load(part_acc + pi[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0,
-                                 cache_modifier=".cg")
-                    o_all += ai * w[:, None]
-                tl.store(o_ptr, (o_all / tl.where(gmask, l_all, 1.0)[:, None]).to(out.dtype.element_ty),
-                         mask=gmask[:, None])
+                    w = tl.exp2(mi - tl.max(mi, 0))  # an empty chunk (m = -inf, l = 0) weighs 0
+                    o = tl.sum(ai * w[:, None], 0) / tl.sum(li * w, 0)
+                    tl.store(out + b * so_b + (h * G + gi) * so_h + d, o.to(out.dtype.element_ty))
                 tl.atomic_xchg(counter + bh, 0)  # ready for the next launch (graph replays reuse it)
 
     return split_kv_decode_kernel
@@ -193,6 +186,7 @@ class SplitKVDecode:
             v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), req_to_token.stride(0),
             out.stride(0), out.stride(1), self.scale * _LOG2E,
             KVH=self.kvh, G=self.group, GP=MAX_GROUP, D=self.d, PS=self.ps, BLOCK_N=c.block_n, S=S,
+            SP=max(2, 1 << (S - 1).bit_length()),
             num_warps=c.warps, num_stages=c.stages)
         return out
 

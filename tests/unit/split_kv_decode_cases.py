@@ -90,11 +90,12 @@ def test_tokens_past_seq_len_are_not_read():
 
 
 def test_num_splits_fills_the_gpu_and_is_capped():
-    assert num_splits(1, 8, 132) == 32  # 2 * 132 / 8 = 33 -> the cap
-    assert num_splits(8, 8, 132) == 5
-    assert num_splits(32, 8, 132) == 2
-    assert num_splits(64, 8, 132) == 1
-    assert num_splits(1, 8, 132, ctas_per_sm=1) == 17
+    assert num_splits(1, 8, 132, ctas_per_sm=2) == 32  # 2 * 132 / 8 = 33 -> the cap
+    assert num_splits(8, 8, 132, ctas_per_sm=2) == 5
+    assert num_splits(32, 8, 132, ctas_per_sm=2) == 2
+    assert num_splits(64, 8, 132, ctas_per_sm=2) == 1
+    assert num_splits(1, 8, 132) == 17
+    assert num_splits(17, 8, 132) == 1
 
 
 def test_bad_shapes_are_refused():
