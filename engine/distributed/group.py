@@ -314,11 +314,16 @@ class TPGroup:
         """Which follower exited (a sentence), waiting up to ``wait_s`` for one to; None if none did."""
         deadline = time.monotonic() + wait_s
         while True:
-            for r, p in enumerate(self._followers, start=1):
-                code = p.poll()
-                if code is not None:
-                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                    return f"tensor-parallel rank {r} (pid {p.pid}) exited with {how}"
+            gone = [(r, p, code) for r, p in enumerate(self._followers, start=1) if (code := p.poll()) is not None]
+            if gone:
+                # the watch thread may have named the first death meanwhile and killed the others (it
+                # sets _dead before it kills): a follower dead by our own kill is not the cause
+                if self._dead is not None:
+                    return self._dead
+                # a peer's death makes the others' collectives fail and them exit: a signal first
+                r, p, code = min(gone, key=lambda g: (g[2] >= 0, g[0]))
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                return f"tensor-parallel rank {r} (pid {p.pid}) exited with {how}"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
