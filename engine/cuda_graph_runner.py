@@ -26,10 +26,10 @@ rank 0 picks the bucket and sends it with the batch (``engine.distributed.batch_
 replay that bucket (``replay(batch, bucket)``), padding with their own scratch page (the same page
 index on every rank: the pools have the same pages).
 
-Decode attention in the graphs (``HALFMOON_DECODE_ATTN``): "flashinfer" (the default) is the
-graph-mode decode wrapper above; "split_kv" is engine.attention.split_kv_decode, one Triton kernel a
-layer that reads the token slots from ``req_to_token`` and the lengths from ``seq_lens`` on the device:
-no plan, no page-table gather, and the replay copies ``seq_lens`` with the other inputs.
+Decode attention in each bucket's graph (:func:`decode_attention`): "flashinfer" is the graph-mode
+decode wrapper above; "split_kv" is engine.attention.split_kv_decode, one Triton kernel a layer that
+reads the token slots from ``req_to_token`` and the lengths from ``seq_lens`` on the device: no plan,
+no page-table gather, and the replay copies ``seq_lens`` with the other inputs.
 
 After sglang's ``cuda_graph_runner.py`` (buckets, padding, plan-before-replay) and flashinfer's
 ``use_cuda_graph`` decode wrappers.
@@ -56,16 +56,22 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 CUBLASLT_FROM_BUCKET = 32
 GRAPH_BLAS_CHOICES = ("cublas", "cublaslt")
 DECODE_ATTN_CHOICES = ("flashinfer", "split_kv")
+# Buckets from this size up attend with engine.attention.split_kv_decode when HALFMOON_DECODE_ATTN is
+# unset (None: none of them); see decode_attention.
+SPLIT_KV_FROM_BUCKET: int | None = None
 
 
-def decode_attention(env: str | None = None) -> str:
-    """The decode attention kernel of the graphs: ``env`` (default: ``HALFMOON_DECODE_ATTN``; empty
-    means "flashinfer"). Raises ValueError on a value not in :data:`DECODE_ATTN_CHOICES`."""
+def decode_attention(bucket: int, env: str | None = None) -> str:
+    """The decode attention kernel captured in ``bucket``'s graph: ``env`` (default:
+    ``HALFMOON_DECODE_ATTN``) for every bucket when set, else "split_kv" from
+    :data:`SPLIT_KV_FROM_BUCKET` up and "flashinfer" below. Raises ValueError on a value not in
+    :data:`DECODE_ATTN_CHOICES`."""
     env = os.environ.get("HALFMOON_DECODE_ATTN", "") if env is None else env
-    name = env or "flashinfer"
-    if name not in DECODE_ATTN_CHOICES:
-        raise ValueError(f"HALFMOON_DECODE_ATTN={env!r}: expected one of {DECODE_ATTN_CHOICES}")
-    return name
+    if env:
+        if env not in DECODE_ATTN_CHOICES:
+            raise ValueError(f"HALFMOON_DECODE_ATTN={env!r}: expected one of {DECODE_ATTN_CHOICES}")
+        return env
+    return "split_kv" if SPLIT_KV_FROM_BUCKET is not None and bucket >= SPLIT_KV_FROM_BUCKET else "flashinfer"
 
 
 def graph_blas(bucket: int, env: str = "") -> str:
@@ -170,8 +176,9 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.mempool = torch.cuda.graph_pool_handle()
-        self.split_kv = None
-        if decode_attention() == "split_kv":
+        self.split_kv = None  # the kernel, made when some bucket uses it
+        self.attn = {b: decode_attention(b) for b in self.buckets}  # per bucket: "flashinfer" | "split_kv"
+        if "split_kv" in self.attn.values():
             from engine.attention.split_kv_decode import SplitKVDecode
 
             be = self.backend
@@ -223,7 +230,7 @@ class CudaGraphRunner:
         self.indices[: j.numel()].copy_(pages)
 
     def _page_ids(self, b: int) -> None:
-        if self.split_kv is None:  # the split-KV kernel reads req_to_token itself
+        if self.attn[b] == "flashinfer":  # the split-KV kernel reads req_to_token itself
             self._fill_page_ids(b)
 
     def _capture(self, b: int) -> None:
@@ -237,7 +244,7 @@ class CudaGraphRunner:
             torch.backends.cuda.preferred_blas_library(before)
 
     def _capture_with_current_blas(self, b: int) -> None:
-        if self.split_kv is None:
+        if self.attn[b] == "flashinfer":
             self.indptr[b] = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
             self.wrappers[b] = self.backend.make_decode_wrapper(b, self.indices, self.indptr[b])
             self._plan(b, None)
@@ -285,7 +292,7 @@ class CudaGraphRunner:
             self.positions[B:b].zero_()
             self.rows[B:b].zero_()
             self.out_cache_loc[B:b].fill_(self.scratch_slot)
-        if self.split_kv is None:
+        if self.attn[b] == "flashinfer":
             self._plan(b, batch)
         else:  # the kernel's lengths come from the device: pad entries read one token of row 0
             self.seq_lens[:B].copy_(batch.seq_lens, non_blocking=True)

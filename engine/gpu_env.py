@@ -77,7 +77,7 @@ def check_gpu_env(paths: GpuPaths) -> None:
     tuned_rows()
     tuned_cache()
     graph_blas(1, os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", ""))
-    decode_attention()
+    decode_attention(1)
 
     why_ops = ("needs flashinfer's fused ops (a CUDA bf16/fp16 model, fused_ops on, flashinfer installed), "
                "which this engine does not run")

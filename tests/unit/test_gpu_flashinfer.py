@@ -59,6 +59,19 @@ def test_graph_blas_is_cublaslt_from_bucket_32_unless_the_env_says():
         graph_blas(8, "cublass")
 
 
+def test_decode_attention_per_bucket_follows_the_env_or_the_threshold(monkeypatch):
+    from engine import cuda_graph_runner as cgr
+
+    monkeypatch.delenv("HALFMOON_DECODE_ATTN", raising=False)
+    monkeypatch.setattr(cgr, "SPLIT_KV_FROM_BUCKET", 32)
+    assert [cgr.decode_attention(b) for b in (1, 24, 32, 256)] == ["flashinfer"] * 2 + ["split_kv"] * 2
+    assert cgr.decode_attention(1, "split_kv") == "split_kv" and cgr.decode_attention(64, "flashinfer") == "flashinfer"
+    monkeypatch.setattr(cgr, "SPLIT_KV_FROM_BUCKET", None)
+    assert cgr.decode_attention(256) == "flashinfer"
+    with pytest.raises(ValueError, match="HALFMOON_DECODE_ATTN='xqa'"):
+        cgr.decode_attention(1, "xqa")
+
+
 def test_graph_page_ids_match_page_table():
     # the CUDA graph gathers page ids itself from the planned indptr (fixed shape); the same tensor ops
     # run on the CPU here against page_table for random rows, lengths and a padded bucket

@@ -209,7 +209,7 @@ def test_the_graph_runner_tunes_in_the_warm_up_and_looks_up_in_the_capture():
     r.model, r.runner, r.device, r.mempool = Model(), None, "cpu", None
     r.indptr, r.wrappers, r.graphs, r.logits = {}, {}, {}, {}
     r.backend = type("B", (), {"make_decode_wrapper": lambda self, b, i, p: None})()
-    r.indices, r.split_kv = None, None  # flashinfer's decode wrapper (HALFMOON_DECODE_ATTN unset)
+    r.indices, r.split_kv, r.attn = None, None, {24: "flashinfer"}  # flashinfer's decode wrapper
     r._plan = lambda b, batch: None
     r._static_batch = lambda b: None
     r._fill_page_ids = lambda b: None
