@@ -17,9 +17,4 @@ for i in 1 2; do
       --contexts 1024,4096 --out "$OUT/d-${be:-fi}-$i.json" 2>&1 | grep -E '^ +[0-9]+ +[0-9]+ |Error' | cut -c1-84
   done
 done
-for be in split_kv; do
-  step "graph_profile ${be:-flashinfer}"
-  HALFMOON_DECODE_ATTN=$be timeout 90 python3 -m bench.gpu graph_profile --out "$OUT/gp-${be:-fi}.json" 2>&1 \
-    | grep -E "^graph_profile B|^ +[0-9.]+ us" | awk '/^graph_profile/{n=0} {if (n++ < 9) print}' | cut -c1-120
-done
 step done
