@@ -56,22 +56,25 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 CUBLASLT_FROM_BUCKET = 32
 GRAPH_BLAS_CHOICES = ("cublas", "cublaslt")
 DECODE_ATTN_CHOICES = ("flashinfer", "split_kv")
-# Buckets from this size up attend with engine.attention.split_kv_decode when HALFMOON_DECODE_ATTN is
-# unset (None: none of them); see decode_attention.
-SPLIT_KV_FROM_BUCKET: int | None = None
+# Buckets that attend with engine.attention.split_kv_decode when HALFMOON_DECODE_ATTN is unset. On
+# the H200 (Llama-3.1-8B shapes, bf16) its graph replay beat flashinfer's wrapper at B=1 in both runs
+# at ctx 1k (4.71 vs 4.82 ms) and 4k (4.92 vs 4.95); at B=8 and 64 it lost at both contexts, at B=32
+# it won at ctx 1k (5.99 vs 6.15) but lost at 4k (9.39 vs 9.07): bench/results/GPU_NOTES.md,
+# session 17, call 2.
+SPLIT_KV_BUCKETS = frozenset({1})
 
 
 def decode_attention(bucket: int, env: str | None = None) -> str:
     """The decode attention kernel captured in ``bucket``'s graph: ``env`` (default:
-    ``HALFMOON_DECODE_ATTN``) for every bucket when set, else "split_kv" from
-    :data:`SPLIT_KV_FROM_BUCKET` up and "flashinfer" below. Raises ValueError on a value not in
+    ``HALFMOON_DECODE_ATTN``) for every bucket when set, else "split_kv" in
+    :data:`SPLIT_KV_BUCKETS` and "flashinfer" elsewhere. Raises ValueError on a value not in
     :data:`DECODE_ATTN_CHOICES`."""
     env = os.environ.get("HALFMOON_DECODE_ATTN", "") if env is None else env
     if env:
         if env not in DECODE_ATTN_CHOICES:
             raise ValueError(f"HALFMOON_DECODE_ATTN={env!r}: expected one of {DECODE_ATTN_CHOICES}")
         return env
-    return "split_kv" if SPLIT_KV_FROM_BUCKET is not None and bucket >= SPLIT_KV_FROM_BUCKET else "flashinfer"
+    return "split_kv" if bucket in SPLIT_KV_BUCKETS else "flashinfer"
 
 
 def graph_blas(bucket: int, env: str = "") -> str:

@@ -59,15 +59,15 @@ def test_graph_blas_is_cublaslt_from_bucket_32_unless_the_env_says():
         graph_blas(8, "cublass")
 
 
-def test_decode_attention_per_bucket_follows_the_env_or_the_threshold(monkeypatch):
+def test_decode_attention_per_bucket_follows_the_env_or_the_measured_buckets(monkeypatch):
     from engine import cuda_graph_runner as cgr
 
     monkeypatch.delenv("HALFMOON_DECODE_ATTN", raising=False)
-    monkeypatch.setattr(cgr, "SPLIT_KV_FROM_BUCKET", 32)
-    assert [cgr.decode_attention(b) for b in (1, 24, 32, 256)] == ["flashinfer"] * 2 + ["split_kv"] * 2
-    assert cgr.decode_attention(1, "split_kv") == "split_kv" and cgr.decode_attention(64, "flashinfer") == "flashinfer"
-    monkeypatch.setattr(cgr, "SPLIT_KV_FROM_BUCKET", None)
-    assert cgr.decode_attention(256) == "flashinfer"
+    assert cgr.SPLIT_KV_BUCKETS == {1}  # the measured default (GPU_NOTES session 17)
+    assert [cgr.decode_attention(b) for b in (1, 2, 8, 32, 256)] == ["split_kv"] + ["flashinfer"] * 4
+    assert cgr.decode_attention(1, "flashinfer") == "flashinfer" and cgr.decode_attention(64, "split_kv") == "split_kv"
+    monkeypatch.setenv("HALFMOON_DECODE_ATTN", "flashinfer")
+    assert cgr.decode_attention(1) == "flashinfer"
     with pytest.raises(ValueError, match="HALFMOON_DECODE_ATTN='xqa'"):
         cgr.decode_attention(1, "xqa")
 
@@ -212,7 +212,8 @@ def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode
                                  num_pages=256, max_running_requests=max_bs, max_context=512,
                                  cuda_graph_max_bs=max_bs))
     assert r.graph_runner is not None and r.graph_runner.bucket_for(n_req) == bucket
-    assert (r.graph_runner.split_kv is not None) == (decode_attn == "split_kv")
+    gr = r.graph_runner
+    assert gr.attn[bucket] == (decode_attn or "flashinfer") and gr.attn[1] == (decode_attn or "split_kv")
     for buf in r.kv_pool.buffers():
         buf.normal_()
     rows, locs, lens = [], [], ([5, 40, 17] + [3 + 7 * i % 60 for i in range(n_req - 3)])[:n_req]
