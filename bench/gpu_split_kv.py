@@ -5,7 +5,8 @@ engine.attention.split_kv_decode (one Triton kernel a layer, partials merged in-
 launch shape of a small grid (32/64 tokens a tile x 2/3 pipeline stages x 1/2/4 programs per SM;
 4 warps). Reports
 µs a layer, TB/s of KV read, the largest |difference| from the wrapper's output, and per case the
-fastest shape beside the engine's default shape (:class:`SplitConfig`'s defaults).
+fastest shape beside the engine's shape for that batch size (``default_config``). The cases: the
+xqa micro's (B = 1, 8, 32, 128 at ctx 1k and 4k) and B = 2, 4, 16, 64 (the graph buckets between).
 
 The wrapper side is the same setup as ``xqa_micro`` (bench/gpu_xqa.py); floor: KV bytes / copy
 bandwidth (the graph-replay time of one layer can not go below it).
@@ -17,9 +18,12 @@ import itertools
 
 import torch
 
-from bench.gpu_xqa import CASES, D, H, KVH, LAYERS, PS, _graph_us
-from engine.attention.split_kv_decode import SplitConfig, SplitKVDecode, num_splits
+from bench.gpu_xqa import CASES as XQA_CASES
+from bench.gpu_xqa import D, H, KVH, LAYERS, PS, _graph_us
+from engine.attention.split_kv_decode import SplitConfig, SplitKVDecode, default_config, num_splits
 
+CASES = tuple(sorted(set(XQA_CASES) | {(b, c) for b in (2, 4, 16, 64) for c in (1024, 4096)},
+                     key=lambda bc: (bc[1], bc[0])))
 GRID = [SplitConfig(block_n=n, stages=s, ctas_per_sm=c) for n, s, c in itertools.product((32, 64), (2, 3), (1, 2, 4))]
 
 
@@ -30,8 +34,8 @@ def split_kv_micro(args) -> dict:
     dev, rows = "cuda", []
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    default = SplitConfig()
     for B, C in CASES:
+        default = default_config(B)
         npr = C // PS
         P = B * npr
         layers = LAYERS if 2 * P * PS * KVH * D * 2 * LAYERS <= (16 << 30) else 4
@@ -64,7 +68,7 @@ def split_kv_micro(args) -> dict:
             row["flashinfer_TBps"] = byts / row["flashinfer_us"] / 1e6
         except Exception as e:
             row["flashinfer_error"] = repr(e)[:300]
-        for cfg in GRID:
+        for cfg in GRID + ([default] if default not in GRID else []):
             att = SplitKVDecode(H, KVH, D, PS, B, dev, scale=D ** -0.5, sms=sms, config=cfg)
             outs = [torch.empty(B, H, D, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
 

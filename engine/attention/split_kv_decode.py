@@ -44,13 +44,29 @@ MAX_GROUP = 16  # query heads per KV head: the q tile is padded to 16 rows (tl.d
 class SplitConfig:
     """Launch shape: ``block_n`` tokens a tile (a power of two >= 16), ``warps``, ``stages`` (software
     pipelining depth of the tile loop), ``ctas_per_sm``: :func:`num_splits` aims at this many
-    programs per SM. The defaults were the fastest of 18 shapes at B=1 and at B >= 32 on an H100
-    (``python -m bench.gpu split_kv_micro``; bench/results/GPU_NOTES.md, session 17)."""
+    programs per SM. :func:`default_config` picks one per batch size."""
 
     block_n: int = 64
     warps: int = 4
     stages: int = 3
     ctas_per_sm: int = 1
+
+
+# The fastest shapes of 12 (32/64 tokens x 2/3 stages x 1/2/4 programs an SM) in
+# ``python -m bench.gpu split_kv_micro`` on an H200 (bench/results/GPU_NOTES.md, session 17 call 2):
+# below 32 requests three stages and two programs an SM (32 splits at B=1: 10.0 / 14.6 us a layer at
+# ctx 1k / 4k, against 9.9 / 17.0 with one program an SM); from 32 requests two stages (a program's
+# three-stage K/V ring, 96 KB of shared memory, leaves one program an SM where two stages leave
+# three: B=128 133.0 against 142.9 us at ctx 1k, 503 against 544 at 4k; B=32 41.6 / 133.7 with 2 splits).
+SMALL_BATCH_CONFIG = SplitConfig(block_n=64, stages=3, ctas_per_sm=2)
+LARGE_BATCH_CONFIG = SplitConfig(block_n=64, stages=2, ctas_per_sm=2)
+LARGE_FROM_BATCH = 32
+
+
+def default_config(batch: int) -> SplitConfig:
+    """The launch shape for ``batch`` requests: :data:`LARGE_BATCH_CONFIG` from
+    :data:`LARGE_FROM_BATCH` up, else :data:`SMALL_BATCH_CONFIG`."""
+    return LARGE_BATCH_CONFIG if batch >= LARGE_FROM_BATCH else SMALL_BATCH_CONFIG
 
 
 def num_splits(batch: int, kv_heads: int, sms: int, ctas_per_sm: int = 1) -> int:
@@ -138,13 +154,14 @@ class SplitKVDecode:
 
     ``num_heads``, ``kv_heads``, ``head_dim`` (a power of two), ``page_size``: the model's and pool's;
     ``device``: the pool's; ``sms``: streaming multiprocessors (default: the device's);
-    ``config``: :class:`SplitConfig`. Raises ValueError for a GQA group above :data:`MAX_GROUP`, a
+    ``config``: one :class:`SplitConfig` for every batch size (default: :func:`default_config` of
+    each launch's batch size). Raises ValueError for a GQA group above :data:`MAX_GROUP`, a
     head count not divisible by ``kv_heads``, or ``head_dim`` not a power of two >= 16.
     """
 
     def __init__(self, num_heads: int, kv_heads: int, head_dim: int, page_size: int, max_batch: int,
                  device: torch.device | str, scale: float | None = None, sms: int | None = None,
-                 config: SplitConfig = SplitConfig()):
+                 config: SplitConfig | None = None):
         if num_heads % kv_heads or num_heads // kv_heads > MAX_GROUP:
             raise ValueError(f"split-KV decode: {num_heads} query heads over {kv_heads} KV heads "
                              f"(at most {MAX_GROUP} a KV head, evenly)")
@@ -158,11 +175,15 @@ class SplitKVDecode:
             sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                    if self.device.type == "cuda" else 132)
         self.sms, self.config = sms, config
-        most = max(b * num_splits(b, kv_heads, sms, config.ctas_per_sm) for b in range(1, max_batch + 1))
+        most = max(b * num_splits(b, kv_heads, sms, self.config_for(b).ctas_per_sm) for b in range(1, max_batch + 1))
         rows = most * kv_heads * self.group  # (b, h, split, g) partials, every batch size at most this
         self.part_acc = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
         self.part_ml = torch.empty(rows * 2, dtype=torch.float32, device=self.device)
         self.counter = torch.zeros(max_batch * kv_heads, dtype=torch.int32, device=self.device)
+
+    def config_for(self, batch: int) -> SplitConfig:
+        """The launch shape of a ``batch``-request launch."""
+        return self.config if self.config is not None else default_config(batch)
 
     def __call__(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
@@ -178,8 +199,8 @@ class SplitKVDecode:
         B = q.shape[0]
         if out is None:
             out = torch.empty(B, self.h, self.d, dtype=q.dtype, device=q.device)
-        S = num_splits(B, self.kvh, self.sms, self.config.ctas_per_sm)
-        c = self.config
+        c = self.config_for(B)
+        S = num_splits(B, self.kvh, self.sms, c.ctas_per_sm)
         _KERNEL[(B * self.kvh, S)](
             q, k_pages, v_pages, req_to_token, rows, seq_lens, out, self.part_acc, self.part_ml, self.counter,
             q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
@@ -208,4 +229,5 @@ def reference(q, k_pages, v_pages, req_to_token, rows, seq_lens, scale: float | 
     return torch.stack(outs)
 
 
-__all__ = ["SplitConfig", "SplitKVDecode", "num_splits", "reference", "MAX_SPLITS", "MAX_GROUP"]
+__all__ = ["SplitConfig", "SplitKVDecode", "default_config", "SMALL_BATCH_CONFIG", "LARGE_BATCH_CONFIG",
+           "LARGE_FROM_BATCH", "num_splits", "reference", "MAX_SPLITS", "MAX_GROUP"]
