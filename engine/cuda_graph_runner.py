@@ -56,12 +56,13 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 CUBLASLT_FROM_BUCKET = 32
 GRAPH_BLAS_CHOICES = ("cublas", "cublaslt")
 DECODE_ATTN_CHOICES = ("flashinfer", "split_kv")
-# Buckets that attend with engine.attention.split_kv_decode when HALFMOON_DECODE_ATTN is unset. On
-# the H200 (Llama-3.1-8B shapes, bf16) its graph replay beat flashinfer's wrapper at B=1 in both runs
-# at ctx 1k (4.71 vs 4.82 ms) and 4k (4.92 vs 4.95); at B=8 and 64 it lost at both contexts, at B=32
-# it won at ctx 1k (5.99 vs 6.15) but lost at 4k (9.39 vs 9.07): bench/results/GPU_NOTES.md,
-# session 17, call 2.
-SPLIT_KV_BUCKETS = frozenset({1})
+# Buckets that attend with engine.attention.split_kv_decode when HALFMOON_DECODE_ATTN is unset: those
+# whose graph replay (Llama-3.1-8B shapes, bf16, per-batch launch shape) beat flashinfer's wrapper in
+# both of two interleaved runs at ctx 1k and 4k on an H100 (bench/results/GPU_NOTES.md, session 19):
+# B=2 6.20 vs 6.23 ms at 1k, B=8 6.46 vs 6.55, B=16 6.96 vs 7.12 (7.51 vs 7.58 and 9.06 vs 9.17
+# at 4k); B=1 won at 1k (6.04 vs 6.15) and tied at 4k, as on the H200 in session 17. B=4 lost at
+# 4k, B >= 32 lost at both; unmeasured buckets (12, 24, ...) keep the wrapper.
+SPLIT_KV_BUCKETS = frozenset({1, 2, 8, 16})
 
 
 def decode_attention(bucket: int, env: str | None = None) -> str:
