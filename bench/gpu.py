@@ -85,6 +85,12 @@ def main(argv=None) -> int:
     p.add_argument("--pd-tokens", type=int, default=24, help="tokens generated per P/D request")
     p.add_argument("--transports", default=None, help="UCX_TLS for the transfer engines (default: UCX's choice)")
     p.add_argument("--copy-bw", type=float, default=None, help="B/s for the floors (default: the GPU model's nominal, bench.gpu_ceilings.NOMINAL)")
+    p.add_argument("--kv-layout", default="page_major", choices=("page_major", "layer_major"),
+                   help="the engine's KV pool layout (decode, profiles) and split_kv_micro's K/V layout")
+    p.add_argument("--profile-cases", default="1x1024,32x1024",
+                   help="graph_profile's BxCONTEXT cases (comma list)")
+    p.add_argument("--micro-cases", default="",
+                   help="split_kv_micro's BxCONTEXT cases (comma list; default all 16)")
     p.add_argument("--gemm-rate", type=float, default=None, help="FLOP/s for the floors (default: the GPU model's nominal, bench.gpu_ceilings.NOMINAL)")
     args = p.parse_args(argv)
     res = {}

@@ -5,8 +5,9 @@
                 every step leaves the GPU idle
   profile       per-kernel GPU time of one eager decode step (torch.profiler), grouped by kernel
                 name, at B=1 and B=128 (context 1024): which kernels keep a step from the floor
-  graph_profile the same for CUDA-graph replays (what serving runs) at B=1 and B=32 (context 1024),
-                with the idle time between the graph's kernels
+  graph_profile the same for CUDA-graph replays (what serving runs), with the idle time between the
+                graph's kernels, for each ``--profile-cases`` BxCONTEXT (default B=1 and B=32 at
+                context 1024)
 """
 
 from __future__ import annotations
@@ -15,6 +16,19 @@ import torch
 
 from bench.gpu_runner import PAGE_SIZE, build_runner, decode_batch, decode_rows
 from bench.gpu_timing import kernel_times
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """"1x1024,32x4096" -> [(1, 1024), (32, 4096)] (batch, context). Raises ValueError on another form."""
+    cases = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        b, sep, c = item.partition("x")
+        if not sep or not b.isdigit() or not c.isdigit() or int(b) < 1 or int(c) < 1:
+            raise ValueError(f"case {item!r}: expected BxCONTEXT, e.g. 32x1024")
+        cases.append((int(b), int(c)))
+    if not cases:
+        raise ValueError("no cases")
+    return cases
 
 
 def host_profile(args) -> dict:
@@ -98,13 +112,14 @@ def graph_profile(args) -> dict:
 
     from bench.gpu_timing import kernel_intervals, merged_busy_us
 
-    batches, C = [1, 32], 1024
-    runner, _ = build_runner(args, max(batches), C + PAGE_SIZE, max(batches) * (C // PAGE_SIZE + 2) + 8)
+    cases = parse_cases(args.profile_cases)
+    maxB, maxC = max(b for b, _ in cases), max(c for _, c in cases)
+    runner, _ = build_runner(args, maxB, maxC + PAGE_SIZE, maxB * (maxC // PAGE_SIZE + 2) + 8)
     for buf in runner.kv_pool.buffers():
         buf.normal_()
-    rows, slots = decode_rows(runner, max(batches), C)
+    rows, slots = decode_rows(runner, maxB, maxC)
     out = {}
-    for B in batches:
+    for B, C in cases:
         batch = decode_batch(rows, slots, C, [1] * B)
         gr = runner.graph_runner
         runner.forward(batch)  # plans and fills the bucket's inputs
@@ -122,7 +137,7 @@ def graph_profile(args) -> dict:
         busy_us = merged_busy_us(ks)
         agg = kernel_times(prof)
         top = sorted(([k, v[0] / steps, v[1] // steps] for k, v in agg.items()), key=lambda r: -r[1])
-        out[str(B)] = {"kernels_per_step": len(ks) / steps, "span_ms_per_step": span_us / steps / 1e3,
+        out[f"{B}x{C}"] = {"kernels_per_step": len(ks) / steps, "span_ms_per_step": span_us / steps / 1e3,
                        "busy_ms_per_step": busy_us / steps / 1e3, "idle_ms_per_step": (span_us - busy_us) / steps / 1e3,
                        "top_us_per_step": top[:16]}
         print(f"graph_profile B={B} ctx={C}: {len(ks) / steps:.0f} kernels/step, span {span_us / steps / 1e3:.3f} ms, "

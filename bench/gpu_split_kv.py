@@ -6,7 +6,13 @@ launch shape of a small grid (32/64 tokens a tile x 2/3 pipeline stages x 1/2/4 
 4 warps). Reports
 µs a layer, TB/s of KV read, the largest |difference| from the wrapper's output, and per case the
 fastest shape beside the engine's shape for that batch size (``default_config``). The cases: the
-xqa micro's (B = 1, 8, 32, 128 at ctx 1k and 4k) and B = 2, 4, 16, 64 (the graph buckets between).
+xqa micro's (B = 1, 8, 32, 128 at ctx 1k and 4k) and B = 2, 4, 16, 64 (the graph buckets between),
+or ``--micro-cases``.
+
+K/V layout (``--kv-layout``): "layer_major" gives each layer its own K and V tensors; "page_major"
+is the engine's default pool (engine/kvcache/kv_pool.py): one region [pages, 32 layers, 2, page, kv
+heads, head_dim], so one layer's pages are 32 KB pieces 2 MB apart (a case needing over 40 GB of it
+is skipped).
 
 The wrapper side is the same setup as ``xqa_micro`` (bench/gpu_xqa.py); floor: KV bytes / copy
 bandwidth (the graph-replay time of one layer can not go below it).
@@ -34,12 +40,25 @@ def split_kv_micro(args) -> dict:
     dev, rows = "cuda", []
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for B, C in CASES:
+    from bench.gpu_profile import parse_cases
+
+    cases = parse_cases(args.micro_cases) if getattr(args, "micro_cases", "") else CASES
+    page_major = getattr(args, "kv_layout", "layer_major") == "page_major"
+    for B, C in cases:
         default = default_config(B)
         npr = C // PS
         P = B * npr
-        layers = LAYERS if 2 * P * PS * KVH * D * 2 * LAYERS <= (16 << 30) else 4
-        kv = [torch.randn(2, P + 1, PS, KVH, D, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+        region_bytes = 2 * (P + 1) * PS * KVH * D * 2 * LAYERS
+        if page_major:
+            if region_bytes > (40 << 30):
+                print(f"split_kv_micro B={B:4d} ctx={C:5d}: skipped (page_major region {region_bytes / 2**30:.0f} GiB)")
+                continue
+            layers = LAYERS
+            region = torch.empty(P + 1, LAYERS, 2, PS, KVH, D, dtype=torch.bfloat16, device=dev).normal_()
+            kv = [region[:, i].transpose(0, 1) for i in range(layers)]  # [2, pages, PS, KVH, D] views
+        else:
+            layers = LAYERS if region_bytes <= (16 << 30) else 4
+            kv = [torch.randn(2, P + 1, PS, KVH, D, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
         table = torch.randperm(P, device=dev).to(torch.int32).view(B, npr)
         q = torch.randn(B, H, D, dtype=torch.bfloat16, device=dev)
         indptr = torch.arange(0, P + 1, npr, dtype=torch.int32)
@@ -62,7 +81,7 @@ def split_kv_micro(args) -> dict:
         req_rows = torch.arange(B, device=dev)
         seq = torch.full((B,), C, dtype=torch.int64, device=dev)
         byts = 2 * B * C * KVH * D * 2
-        row = {"batch": B, "context": C, "layers": layers, "floor_us": byts / args.copy_bw * 1e6, "shapes": []}
+        row = {"batch": B, "context": C, "layers": layers, "kv_layout": "page_major" if page_major else "layer_major", "floor_us": byts / args.copy_bw * 1e6, "shapes": []}
         try:
             row["flashinfer_us"] = _graph_us(run_fi, layers)
             row["flashinfer_TBps"] = byts / row["flashinfer_us"] / 1e6
@@ -101,5 +120,6 @@ def split_kv_micro(args) -> dict:
               f"max|diff| {best.get('max_abs_diff', float('nan')):.2e} floor {row['floor_us']:.2f}", flush=True)
         rows.append(row)
         del kv, w
+        region = None
         torch.cuda.empty_cache()
     return {"rows": rows}
