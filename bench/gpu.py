@@ -26,6 +26,8 @@ Sections (each adds one key to the JSON; each is a module, see its docstring):
   xqa_micro     bench/gpu_xqa.py: a step's decode attention, flashinfer's graph-mode wrapper vs xqa
   split_kv_micro bench/gpu_split_kv.py: the same against engine/attention/split_kv_decode.py per
                 launch shape
+  split_kv_factors bench/gpu_split_kv_factors.py: that kernel on the engine's inputs, one factor
+                changed at a time (why the decode graph runs it slower than the micro)
   transfer, pd  bench/gpu_transfer.py: KV transfer GPU0 -> GPU1 and P/D on two GPUs
 
 Floors are written before the run into bench/results/GPU_NOTES.md; this prints measured / floor.
@@ -52,6 +54,7 @@ from bench.gpu_prefill_parts import prefill_parts
 from bench.gpu_profile import graph_profile, host_profile, profile
 from bench.gpu_small_gemm import small_gemm
 from bench.gpu_split_kv import split_kv_micro
+from bench.gpu_split_kv_factors import split_kv_factors
 from bench.gpu_xqa import xqa_micro
 
 __all__ = ["backend_vs_torch", "main", "model_vs_transformers", "table"]
@@ -59,7 +62,8 @@ __all__ = ["backend_vs_torch", "main", "model_vs_transformers", "table"]
 SECTIONS = {"ceilings": ceilings, "correctness": correctness, "decode": decode, "prefill": prefill,
             "prefill_parts": prefill_parts, "prefill_attn": prefill_attn, "profile": profile,
             "graph_profile": graph_profile, "host_profile": host_profile, "attn_micro": attn_micro, "small_gemm": small_gemm,
-            "xqa_micro": xqa_micro, "gate_up_micro": gate_up_micro, "split_kv_micro": split_kv_micro}
+            "xqa_micro": xqa_micro, "gate_up_micro": gate_up_micro, "split_kv_micro": split_kv_micro,
+            "split_kv_factors": split_kv_factors}
 
 
 def main(argv=None) -> int:
