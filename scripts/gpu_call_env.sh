@@ -23,6 +23,6 @@ gpu_tests() {  # the test files with GPU cases that run there (test_head_blocks,
     tests/unit/test_engine_archs.py tests/unit/test_gpu_pd.py tests/unit/test_split_kv_decode.py > /tmp/gpu_tests.log 2>&1
   local rc=$?
   grep -E "^E |^FAILED|^ERROR" /tmp/gpu_tests.log | cut -c1-300 | head -14
-  tail -1 /tmp/gpu_tests.log
+  grep -E "[0-9]+ (passed|failed)" /tmp/gpu_tests.log | tail -1  # the summary (native-extension leak notes follow it)
   return $rc
 }
