@@ -58,11 +58,12 @@ GRAPH_BLAS_CHOICES = ("cublas", "cublaslt")
 DECODE_ATTN_CHOICES = ("flashinfer", "split_kv")
 # Buckets that attend with engine.attention.split_kv_decode when HALFMOON_DECODE_ATTN is unset: those
 # whose graph replay (Llama-3.1-8B shapes, bf16, per-batch launch shape) beat flashinfer's wrapper in
-# both of two interleaved runs at ctx 1k and 4k on an H100 (bench/results/GPU_NOTES.md, session 19):
-# B=2 6.20 vs 6.23 ms at 1k, B=8 6.46 vs 6.55, B=16 6.96 vs 7.12 (7.51 vs 7.58 and 9.06 vs 9.17
-# at 4k); B=1 won at 1k (6.04 vs 6.15) and tied at 4k, as on the H200 in session 17. B=4 lost at
-# 4k, B >= 32 lost at both; unmeasured buckets (12, 24, ...) keep the wrapper.
-SPLIT_KV_BUCKETS = frozenset({1, 2, 8, 16})
+# both of two interleaved runs at ctx 1k and 4k on an H100 (bench/results/GPU_NOTES.md, session 20):
+# e.g. B=32 7.65 vs 7.88 ms at 1k and 11.73-11.76 vs 12.03 at 4k, B=64 9.01 vs 9.40 and 17.11-17.13
+# vs 17.55, B=128 12.11 vs 12.61 at 1k (96 and 128 measured at 1k only). B=1 tied at 4k (±4 us) and
+# won at 1k, as on the H200 in session 17; B=4 lost at 4k by 6 us. Buckets above 128 were not
+# measured and keep the wrapper.
+SPLIT_KV_BUCKETS = frozenset({1, 2, 8, 12, 16, 24, 32, 48, 64, 96, 128})
 
 
 def decode_attention(bucket: int, env: str | None = None) -> str:

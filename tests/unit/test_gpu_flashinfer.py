@@ -63,9 +63,10 @@ def test_decode_attention_per_bucket_follows_the_env_or_the_measured_buckets(mon
     from engine import cuda_graph_runner as cgr
 
     monkeypatch.delenv("HALFMOON_DECODE_ATTN", raising=False)
-    assert cgr.SPLIT_KV_BUCKETS == {1, 2, 8, 16}  # the measured default (GPU_NOTES session 19)
-    assert [cgr.decode_attention(b) for b in (1, 2, 4, 8, 12, 16, 32, 256)] == [
-        "split_kv", "split_kv", "flashinfer", "split_kv", "flashinfer", "split_kv", "flashinfer", "flashinfer"]
+    assert cgr.SPLIT_KV_BUCKETS == {1, 2, 8, 12, 16, 24, 32, 48, 64, 96, 128}  # measured (GPU_NOTES session 20)
+    assert [cgr.decode_attention(b) for b in (1, 2, 4, 8, 12, 16, 32, 64, 128, 160, 256)] == [
+        "split_kv", "split_kv", "flashinfer", "split_kv", "split_kv", "split_kv", "split_kv", "split_kv",
+        "split_kv", "flashinfer", "flashinfer"]
     assert cgr.decode_attention(1, "flashinfer") == "flashinfer" and cgr.decode_attention(64, "split_kv") == "split_kv"
     monkeypatch.setenv("HALFMOON_DECODE_ATTN", "flashinfer")
     assert cgr.decode_attention(1) == "flashinfer"
