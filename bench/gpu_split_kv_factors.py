@@ -1,8 +1,9 @@
-"""``split_kv_factors`` section of the GPU benchmark: which difference between the engine and
-``split_kv_micro`` makes engine.attention.split_kv_decode slower inside the engine's decode graph.
+"""``split_kv_factors`` section of the GPU benchmark: does any difference between the engine's inputs
+and ``split_kv_micro``'s make engine.attention.split_kv_decode slower inside the engine's graph?
 
-At B=64 the graph's split-KV kernel took ~1.9x its micro time (H100: 657 against 343 µs a layer at
-ctx 4k, 170 against 91 at ctx 1k; bench/results/GPU_NOTES.md, session 20). The micro and the engine
+It found one: at B=64 the graph's split-KV kernel took ~1.9x its micro time (H100: 655 against 345
+µs a layer at ctx 4k) until the kernel narrowed the slots of the int64 ``req_to_token`` to int32
+(the "r2t_int32" variant had the micro's speed; bench/results/GPU_NOTES.md, session 20). The micro and the engine
 differ in the inputs: the engine's pool is page-major with each request's pages in ascending order
 (engine.kvcache.page_allocator hands out low ids first), ``req_to_token`` is int64 with rows of
 ``max_context``, ``seq_lens`` is context + 1 (the new token), and ``q`` is a strided view of the
