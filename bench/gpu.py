@@ -27,7 +27,7 @@ Sections (each adds one key to the JSON; each is a module, see its docstring):
   split_kv_micro bench/gpu_split_kv.py: the same against engine/attention/split_kv_decode.py per
                 launch shape
   split_kv_factors bench/gpu_split_kv_factors.py: that kernel on the engine's inputs, one factor
-                changed at a time (why the decode graph runs it slower than the micro)
+                changed at a time (which input difference slows it in the graph against the micro)
   transfer, pd  bench/gpu_transfer.py: KV transfer GPU0 -> GPU1 and P/D on two GPUs
 
 Floors are written before the run into bench/results/GPU_NOTES.md; this prints measured / floor.
@@ -51,7 +51,7 @@ from bench.gpu_gate_up import gate_up_micro
 from bench.gpu_prefill import prefill
 from bench.gpu_prefill_attn import prefill_attn
 from bench.gpu_prefill_parts import prefill_parts
-from bench.gpu_profile import graph_profile, host_profile, profile
+from bench.gpu_profile import graph_profile, host_profile, parse_cases, profile
 from bench.gpu_small_gemm import small_gemm
 from bench.gpu_split_kv import split_kv_micro
 from bench.gpu_split_kv_factors import split_kv_factors
@@ -89,12 +89,14 @@ def main(argv=None) -> int:
     p.add_argument("--pd-tokens", type=int, default=24, help="tokens generated per P/D request")
     p.add_argument("--transports", default=None, help="UCX_TLS for the transfer engines (default: UCX's choice)")
     p.add_argument("--copy-bw", type=float, default=None, help="B/s for the floors (default: the GPU model's nominal, bench.gpu_ceilings.NOMINAL)")
-    p.add_argument("--kv-layout", default="page_major", choices=("page_major", "layer_major"),
-                   help="the engine's KV pool layout (decode, profiles) and split_kv_micro's K/V layout")
-    p.add_argument("--profile-cases", default="1x1024,32x1024",
+    p.add_argument("--kv-layout", default=None, choices=("page_major", "layer_major"),
+                   help="KV layout: the engine pool's (decode, profiles; default the engine's, page_major) "
+                        "and split_kv_micro's (default layer_major)")
+    p.add_argument("--profile-cases", default="1x1024,32x1024", type=parse_cases,
                    help="graph_profile's BxCONTEXT cases (comma list)")
-    p.add_argument("--micro-cases", default="",
-                   help="split_kv_micro's BxCONTEXT cases (comma list; default all 16)")
+    p.add_argument("--micro-cases", default=None, type=parse_cases,
+                   help="BxCONTEXT cases (comma list) of split_kv_micro (default its 16) and "
+                        "split_kv_factors (default 64x1024,64x4096)")
     p.add_argument("--gemm-rate", type=float, default=None, help="FLOP/s for the floors (default: the GPU model's nominal, bench.gpu_ceilings.NOMINAL)")
     args = p.parse_args(argv)
     res = {}

@@ -112,7 +112,7 @@ def graph_profile(args) -> dict:
 
     from bench.gpu_timing import kernel_intervals, merged_busy_us
 
-    cases = parse_cases(args.profile_cases)
+    cases = args.profile_cases
     maxB, maxC = max(b for b, _ in cases), max(c for _, c in cases)
     runner, _ = build_runner(args, maxB, maxC + PAGE_SIZE, maxB * (maxC // PAGE_SIZE + 2) + 8)
     for buf in runner.kv_pool.buffers():

@@ -17,11 +17,11 @@ def build_runner(args, max_bs: int, max_context: int, num_pages: int, cuda_graph
     from engine.model_runner import ModelRunner
 
     t = time.perf_counter()
+    layout = {"kv_layout": args.kv_layout} if getattr(args, "kv_layout", None) else {}  # else the engine's
     r = ModelRunner(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", device="cuda",
                                  page_size=PAGE_SIZE, num_pages=num_pages, max_running_requests=max_bs,
                                  max_context=max_context, cuda_graph=cuda_graph, cuda_graph_max_bs=max_bs,
-                                 chunked_prefill_size=1 << 20, tp_size=tp,
-                                 kv_layout=getattr(args, "kv_layout", "page_major")))
+                                 chunked_prefill_size=1 << 20, tp_size=tp, **layout))
     torch.cuda.synchronize()
     return r, time.perf_counter() - t
 

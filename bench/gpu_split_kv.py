@@ -40,10 +40,8 @@ def split_kv_micro(args) -> dict:
     dev, rows = "cuda", []
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    from bench.gpu_profile import parse_cases
-
-    cases = parse_cases(args.micro_cases) if getattr(args, "micro_cases", "") else CASES
-    page_major = getattr(args, "kv_layout", "layer_major") == "page_major"
+    cases = getattr(args, "micro_cases", None) or CASES
+    page_major = getattr(args, "kv_layout", None) == "page_major"
     for B, C in cases:
         default = default_config(B)
         npr = C // PS
@@ -56,6 +54,7 @@ def split_kv_micro(args) -> dict:
             layers = LAYERS
             region = torch.empty(P + 1, LAYERS, 2, PS, KVH, D, dtype=torch.bfloat16, device=dev).normal_()
             kv = [region[:, i].transpose(0, 1) for i in range(layers)]  # [2, pages, PS, KVH, D] views
+            del region  # the views keep it: freed with kv
         else:
             layers = LAYERS if region_bytes <= (16 << 30) else 4
             kv = [torch.randn(2, P + 1, PS, KVH, D, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
@@ -81,7 +80,8 @@ def split_kv_micro(args) -> dict:
         req_rows = torch.arange(B, device=dev)
         seq = torch.full((B,), C, dtype=torch.int64, device=dev)
         byts = 2 * B * C * KVH * D * 2
-        row = {"batch": B, "context": C, "layers": layers, "kv_layout": "page_major" if page_major else "layer_major", "floor_us": byts / args.copy_bw * 1e6, "shapes": []}
+        row = {"batch": B, "context": C, "layers": layers, "kv_layout": "page_major" if page_major else "layer_major",
+               "floor_us": byts / args.copy_bw * 1e6, "shapes": []}
         try:
             row["flashinfer_us"] = _graph_us(run_fi, layers)
             row["flashinfer_TBps"] = byts / row["flashinfer_us"] / 1e6
@@ -120,6 +120,5 @@ def split_kv_micro(args) -> dict:
               f"max|diff| {best.get('max_abs_diff', float('nan')):.2e} floor {row['floor_us']:.2f}", flush=True)
         rows.append(row)
         del kv, w
-        region = None
         torch.cuda.empty_cache()
     return {"rows": rows}

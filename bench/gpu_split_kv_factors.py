@@ -26,8 +26,6 @@ from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.page_allocator import PageAllocator
 from engine.kvcache.req_to_token_pool import ReqToTokenPool
 
-VARIANTS = ("engine", "q_contiguous", "seq_context", "r2t_int32", "pages_shuffled", "micro", "between_gemms")
-
 
 def _inputs(B: int, C: int, dev: str):
     """The engine's decode inputs for B rows of C cached tokens + 1 new: (pool, r2t, rows, seq, q)."""
@@ -63,10 +61,8 @@ def _shuffled(r2t: torch.Tensor, rows: torch.Tensor, C: int) -> torch.Tensor:
 
 def split_kv_factors(args) -> dict:
     """See the module docstring."""
-    from bench.gpu_profile import parse_cases
-
     dev, rows_out = "cuda", []
-    cases = parse_cases(args.micro_cases or "64x1024,64x4096")
+    cases = getattr(args, "micro_cases", None) or [(64, 1024), (64, 4096)]
     for B, C in cases:
         pool, r2t, rows, seq, q = _inputs(B, C, dev)
         att = SplitKVDecode(H, KVH, D, PS, B, dev, scale=D ** -0.5)
@@ -74,13 +70,14 @@ def split_kv_factors(args) -> dict:
         x = torch.randn(B, 4096, dtype=torch.bfloat16, device=dev)
         wt = torch.randn(14336, 4096, dtype=torch.bfloat16, device=dev)
         y = torch.empty(B, 14336, dtype=torch.bfloat16, device=dev)
+        shuffled = _shuffled(r2t, rows, C)
         inputs = {
             "engine": (q, r2t, seq),
             "q_contiguous": (q.contiguous(), r2t, seq),
             "seq_context": (q, r2t, seq - 1),
             "r2t_int32": (q, r2t.to(torch.int32), seq),
-            "pages_shuffled": (q, _shuffled(r2t, rows, C), seq),
-            "micro": (q.contiguous(), _shuffled(r2t, rows, C).to(torch.int32), seq - 1),
+            "pages_shuffled": (q, shuffled, seq),
+            "micro": (q.contiguous(), shuffled.to(torch.int32), seq - 1),
         }
         row = {"batch": B, "context": C, "us": {}}
 

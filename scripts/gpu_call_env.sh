@@ -4,7 +4,8 @@
 # JIT-cache .so unless ninja's .o files are there too), and defines `step NAME`, a section header
 # with the seconds since this file was sourced, and `gpu_tests`, the GPU unit tests by file (the GPU
 # machine lacks the services' packages, so `pytest -m gpu tests/unit` as a whole stops at collection)
-# printing only the summary and failed asserts.
+# printing only the summary and failed asserts (the whole log goes to $OUT/gpu_tests.log), and
+# `keep_rows`, a filter keeping bench.gpu decode's table rows and errors.
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0
 site=/tmp/site; mkdir -p $site
 python3 -m pip install -q --no-index --no-deps --no-compile --target $site .whl/*.whl 2>&1 | grep -v "already exists"
@@ -22,7 +23,9 @@ gpu_tests() {  # the test files with GPU cases that run there (test_head_blocks,
     tests/unit/test_small_m_gemm.py tests/unit/test_tuned_gemm.py tests/unit/test_gpu_flashinfer.py tests/unit/test_flashinfer_plan_fence.py \
     tests/unit/test_engine_archs.py tests/unit/test_gpu_pd.py tests/unit/test_split_kv_decode.py > /tmp/gpu_tests.log 2>&1
   local rc=$?
+  [ -n "${OUT:-}" ] && cp /tmp/gpu_tests.log "$OUT/gpu_tests.log"
   grep -E "^E |^FAILED|^ERROR" /tmp/gpu_tests.log | cut -c1-300 | head -14
   grep -E "[0-9]+ (passed|failed)" /tmp/gpu_tests.log | tail -1  # the summary (native-extension leak notes follow it)
   return $rc
 }
+keep_rows() { grep -E '^ +[0-9]+ +[0-9]+ |Error' | cut -c1-84; }

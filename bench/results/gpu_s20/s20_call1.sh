@@ -7,13 +7,12 @@ set -u
 source scripts/gpu_call_env.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 save_ops() { (cd ~/.cache && find flashinfer -name '*.so' | tar -czf "$OUT/flashinfer-so.tar.gz" -T -) 2>/dev/null; }
-keep() { grep -E '^ +[0-9]+ +[0-9]+ |Error' | cut -c1-84; }
 step gpu_tests
 timeout 150 bash -c "$(declare -f gpu_tests); gpu_tests"
 save_ops
 step "decode default"
 timeout 60 python3 -m bench.gpu decode --iters 30 --batches 1,2,4,8,16,32 --contexts 1024 --eager-batches 0 \
-  --out "$OUT/d1k-default.json" 2>&1 | keep
+  --out "$OUT/d1k-default.json" 2>&1 | keep_rows
 M="32x1024,64x1024,128x1024,32x4096,64x4096"
 for lay in page_major layer_major; do
   step "split_kv_micro $lay"
@@ -26,6 +25,6 @@ HALFMOON_DECODE_ATTN=split_kv timeout 90 python3 -m bench.gpu graph_profile --pr
 for lay in layer_major page_major; do
   step "decode split_kv $lay"
   HALFMOON_DECODE_ATTN=split_kv timeout 50 python3 -m bench.gpu decode --iters 20 --batches 32,64 --contexts 4096 \
-    --eager-batches 0 --kv-layout $lay --out "$OUT/d4k-split_kv-$lay.json" 2>&1 | keep
+    --eager-batches 0 --kv-layout $lay --out "$OUT/d4k-split_kv-$lay.json" 2>&1 | keep_rows
 done
 step done

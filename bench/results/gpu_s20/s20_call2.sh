@@ -9,5 +9,4 @@ timeout 150 python3 -m bench.gpu split_kv_factors --micro-cases 64x1024,64x4096,
   | grep -E "^split_kv_factors|Error" | cut -c1-260
 step gpu_tests
 timeout 300 bash -c "$(declare -f gpu_tests); gpu_tests"
-cp /tmp/gpu_tests.log "$OUT/gpu_tests.log"
 step done

@@ -8,5 +8,5 @@ step gpu_tests
 timeout 120 bash -c "$(declare -f gpu_tests); gpu_tests"
 step "decode default"
 timeout 90 python3 -m bench.gpu decode --iters 20 --batches 1,4,32,64 --contexts 1024,4096 --eager-batches 0 \
-  --out "$OUT/d-default.json" 2>&1 | grep -E '^ +[0-9]+ +[0-9]+ |Error' | cut -c1-84
+  --out "$OUT/d-default.json" 2>&1 | keep_rows
 step done
