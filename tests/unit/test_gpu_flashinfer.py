@@ -189,14 +189,17 @@ def test_model_matches_transformers_on_gpu(shape):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("decode_attn", ["", "split_kv"])
+@pytest.mark.parametrize("decode_attn", ["", "split_kv", "split_kv+prefetch"])
 @pytest.mark.parametrize("n_req,max_bs,bucket", [(3, 8, 4), (29, 32, 32)])
 def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode_attn, monkeypatch):
     """A decode batch of 3 (bucket 4: o/down on tinygemm) or 29 (bucket 32: captured under cuBLASLt)
     through the graph equals the eager forward (flashinfer's decode wrapper), and the pad entries
     write only the scratch page; with ``HALFMOON_DECODE_ATTN=split_kv`` the graphs attend with
-    engine.attention.split_kv_decode (bucket 4: 4 x 2 kv heads -> 32 splits, most of them empty, merged in-kernel)."""
+    engine.attention.split_kv_decode (bucket 4: 4 x 2 kv heads -> 32 splits, most of them empty, merged
+    in-kernel), "+prefetch" with ``HALFMOON_L2_PREFETCH=o`` as well (each layer's o_proj weight asked of the L2)."""
+    decode_attn, _, prefetch = decode_attn.partition("+")
     monkeypatch.setenv("HALFMOON_DECODE_ATTN", decode_attn)
+    monkeypatch.setenv("HALFMOON_L2_PREFETCH", "o" if prefetch else "")
     from engine.config import EngineConfig
     from engine.forward_batch import ForwardBatch, ForwardMode
     from engine.model_runner import ModelRunner
@@ -216,6 +219,7 @@ def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode
     assert r.graph_runner is not None and r.graph_runner.bucket_for(n_req) == bucket
     gr = r.graph_runner
     assert gr.attn[bucket] == (decode_attn or "flashinfer") and gr.attn[1] == (decode_attn or "split_kv")
+    assert sorted(gr.prefetch) == ([0, 1] if prefetch else [])  # both layers' o_proj, or none
     for buf in r.kv_pool.buffers():
         buf.normal_()
     rows, locs, lens = [], [], ([5, 40, 17] + [3 + 7 * i % 60 for i in range(n_req - 3)])[:n_req]
