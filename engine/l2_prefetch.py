@@ -70,10 +70,14 @@ def _build():
         off = start + tl.arange(0, CHUNKS).to(tl.int64) * CHUNK_B
         off = tl.minimum(off, nbytes - CHUNK_B)  # in bounds: past the end re-asks for the last chunk
         size = tl.full([CHUNKS], CHUNK_B, tl.int32)
-        # $1 the address (64-bit), $2 the size (32-bit), $0 a dummy result (inline asm needs one);
-        # not pure, so the compiler keeps it although the result is unused
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [buf + off, size], dtype=tl.int32, is_pure=False, pack=1)
+        # $1 the address (64-bit), $2 the size (32-bit), $3 the element count, $0 a dummy result (inline
+        # asm needs one); not pure, so the compiler keeps it although the result is unused. A tensor
+        # smaller than the CTA is replicated (thread t holds element t % CHUNKS): only threads below
+        # CHUNKS issue, so each chunk is asked for once
+        tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, $3; "
+                                  "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r,r",
+                                  [buf + off, size, tl.full([CHUNKS], CHUNKS, tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
     return prefetch_kernel
 

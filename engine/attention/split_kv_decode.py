@@ -94,10 +94,11 @@ def _build():
         if PF > 0:  # this program's share of the L2 prefetch (engine.l2_prefetch), issued before any load
             pf_off = (bh * S + split).to(tl.int64) * (PF * PF_CHUNK) + tl.arange(0, PF).to(tl.int64) * PF_CHUNK
             pf_off = tl.minimum(pf_off, pf_bytes - PF_CHUNK)
-            # $1 the address, $2 the size, $0 a dummy result; not pure, so it is kept unused
-            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                      [pf + pf_off, tl.full([PF], PF_CHUNK, tl.int32)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+            # as engine.l2_prefetch's kernel: only threads below PF issue (PF < threads is replicated)
+            tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, $3; "
+                                      "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r,r",
+                                      [pf + pf_off, tl.full([PF], PF_CHUNK, tl.int32), tl.full([PF], PF, tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
         b = bh // KVH
         h = bh % KVH
         seq = tl.load(seq_lens + b).to(tl.int64)
