@@ -28,8 +28,6 @@ Sections (each adds one key to the JSON; each is a module, see its docstring):
                 launch shape
   split_kv_factors bench/gpu_split_kv_factors.py: that kernel on the engine's inputs, one factor
                 changed at a time (which input difference slows it in the graph against the micro)
-  l2_prefetch_micro bench/gpu_l2_prefetch.py: q/k/v GEMM + split-KV attention + o GEMM of 32 layers,
-                with and without an L2 prefetch of the o weight during the attention
   transfer, pd  bench/gpu_transfer.py: KV transfer GPU0 -> GPU1 and P/D on two GPUs
 
 Floors are written before the run into bench/results/GPU_NOTES.md; this prints measured / floor.
@@ -50,8 +48,6 @@ from bench.gpu_ceilings import ceilings, floor_ceilings
 from bench.gpu_correctness import backend_vs_torch, correctness, model_vs_transformers
 from bench.gpu_decode import decode
 from bench.gpu_gate_up import gate_up_micro
-from bench.gpu_l2_prefetch import l2_prefetch_micro
-from bench.gpu_l2_prefetch import table_lines as l2_prefetch_lines
 from bench.gpu_prefill import prefill
 from bench.gpu_prefill_attn import prefill_attn
 from bench.gpu_prefill_parts import prefill_parts
@@ -67,7 +63,7 @@ SECTIONS = {"ceilings": ceilings, "correctness": correctness, "decode": decode, 
             "prefill_parts": prefill_parts, "prefill_attn": prefill_attn, "profile": profile,
             "graph_profile": graph_profile, "host_profile": host_profile, "attn_micro": attn_micro, "small_gemm": small_gemm,
             "xqa_micro": xqa_micro, "gate_up_micro": gate_up_micro, "split_kv_micro": split_kv_micro,
-            "split_kv_factors": split_kv_factors, "l2_prefetch_micro": l2_prefetch_micro}
+            "split_kv_factors": split_kv_factors}
 
 
 def main(argv=None) -> int:
@@ -99,8 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile-cases", default="1x1024,32x1024", type=parse_cases,
                    help="graph_profile's BxCONTEXT cases (comma list)")
     p.add_argument("--micro-cases", default=None, type=parse_cases,
-                   help="BxCONTEXT cases (comma list) of split_kv_micro (default its 16), "
-                        "split_kv_factors (default 64x1024,64x4096) and l2_prefetch_micro (default its 6)")
+                   help="BxCONTEXT cases (comma list) of split_kv_micro (default its 16) and "
+                        "split_kv_factors (default 64x1024,64x4096)")
     p.add_argument("--gemm-rate", type=float, default=None, help="FLOP/s for the floors (default: the GPU model's nominal, bench.gpu_ceilings.NOMINAL)")
     args = p.parse_args(argv)
     res = {}
@@ -115,8 +111,7 @@ def main(argv=None) -> int:
 
             res[sec] = getattr(gpu_transfer, sec)(args)
         else:
-            if sec in ("decode", "prefill", "prefill_parts", "prefill_attn", "gate_up_micro", "split_kv_micro",
-                       "l2_prefetch_micro"):
+            if sec in ("decode", "prefill", "prefill_parts", "prefill_attn", "gate_up_micro", "split_kv_micro"):
                 c = res.get("ceilings", {})
                 args.copy_bw, args.gemm_rate = floor_ceilings(args.copy_bw, args.gemm_rate, c)
                 res.setdefault("meta", {})["floors_use"] = {"copy_bw_Bps": args.copy_bw, "gemm_flops": args.gemm_rate,
@@ -181,8 +176,6 @@ def table(res: dict) -> str:
             lines.append(f"              {r['batch']:4d} {r['context']:5d} {r['floor_us']:8.2f} {r.get('flashinfer_us', float('nan')):13.2f}"
                          f" {d.get('us', float('nan')):19.2f} {b.get('us', float('nan')):8.2f}  ({b.get('block_n')}, "
                          f"{b.get('stages')}, {b.get('ctas_per_sm')}, {b.get('splits')})")
-    if "rows" in res.get("l2_prefetch_micro", {}):
-        lines.extend(l2_prefetch_lines(res["l2_prefetch_micro"]))
     gu = res.get("gate_up_micro")
     if gu and "rows" in gu:
         lines.append("gate_up_micro  kernel               tile                     tokens  ms (2 runs)      of floor  rel diff")

@@ -29,9 +29,7 @@ index on every rank: the pools have the same pages).
 Decode attention in each bucket's graph (:func:`decode_attention`): "flashinfer" is the graph-mode
 decode wrapper above; "split_kv" is engine.attention.split_kv_decode, one Triton kernel a layer that
 reads the token slots from ``req_to_token`` and the lengths from ``seq_lens`` on the device: no plan,
-no page-table gather, and the replay copies ``seq_lens`` with the other inputs. With
-``HALFMOON_L2_PREFETCH=o`` (engine.l2_prefetch) that kernel also asks the L2 for the layer's o_proj
-weight while it attends, so that the o GEMM after it reads the weight from L2.
+no page-table gather, and the replay copies ``seq_lens`` with the other inputs.
 
 After sglang's ``cuda_graph_runner.py`` (buckets, padding, plan-before-replay) and flashinfer's
 ``use_cuda_graph`` decode wrappers.
@@ -48,7 +46,6 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend, page_counts
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.l2_prefetch import byte_view, prefetch_mode
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 # Buckets from this size up are captured under cuBLASLt: on the H200 (Llama-3.1-8B shapes) its o and
@@ -125,11 +122,10 @@ class _SplitKV(AttentionBackend):
 
     has_attend = True
 
-    def __init__(self, backend: FlashInferAttentionBackend, kernel, prefetch: dict | None = None):
+    def __init__(self, backend: FlashInferAttentionBackend, kernel):
         super().__init__(backend.kv_pool, backend.req_to_token_pool, backend.num_heads, backend.num_kv_heads,
                          backend.head_dim, backend.scale)
         self.kernel = kernel
-        self.prefetch = prefetch or {}  # layer -> uint8 view of the weight to ask the L2 for while attending
 
     def init_forward(self, batch) -> None:
         pass  # nothing to plan: the kernel reads req_to_token and seq_lens on the device
@@ -140,22 +136,8 @@ class _SplitKV(AttentionBackend):
 
     def attend(self, q, k, v, layer, batch):
         o = self.kernel(q, self.kv_pool.k_pages(layer), self.kv_pool.v_pages(layer),
-                        self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                        prefetch=self.prefetch.get(layer))
+                        self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens)
         return o.view(q.shape[0], self.num_heads * self.head_dim)
-
-
-def o_proj_prefetch(model) -> dict[int, torch.Tensor]:
-    """Layer index -> flat uint8 view of its o_proj weight (engine.l2_prefetch.byte_view), for the
-    layers whose o_proj is a plain ``nn.Linear`` with a contiguous, 16-byte aligned weight on CUDA
-    (a tensor-parallel o_proj or another layout is left out: nothing is prefetched for it)."""
-    out = {}
-    for layer in getattr(getattr(model, "model", None), "layers", ()):
-        o = getattr(getattr(layer, "self_attn", None), "o_proj", None)
-        w = getattr(o, "weight", None)
-        if type(o) is torch.nn.Linear and w.is_cuda and w.is_contiguous() and w.data_ptr() % 16 == 0:
-            out[layer.self_attn.layer] = byte_view(w.data)
-    return out
 
 
 class CudaGraphRunner:
@@ -207,7 +189,6 @@ class CudaGraphRunner:
             be = self.backend
             self.split_kv = SplitKVDecode(be.num_heads, be.num_kv_heads, be.head_dim, ps, max_batch, dev,
                                           scale=be.scale)
-        self.prefetch = o_proj_prefetch(self.model) if prefetch_mode() == "o" and self.split_kv is not None else {}
         if getattr(runner, "tp", None) is not None:
             # an eager collective first: the NCCL communicator exists before any capture, and every
             # rank starts capturing together; then no collective work is in flight during capture
@@ -274,7 +255,7 @@ class CudaGraphRunner:
             self._plan(b, None)
             planned = _Planned(self.backend, self.wrappers[b])
         else:
-            planned = _SplitKV(self.backend, self.split_kv, self.prefetch)
+            planned = _SplitKV(self.backend, self.split_kv)
         batch = self._static_batch(b)
         tuned = getattr(getattr(self.model, "_fused", None), "tuned", None)  # engine.tuned_gemm, or None
         stream = torch.cuda.Stream(self.device)

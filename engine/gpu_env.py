@@ -10,8 +10,6 @@ switch                                                takes effect in
 ``HALFMOON_TUNED_GEMM``, ``_ROWS``, ``_ON``, ``_CACHE``  those fused ops inside CUDA-graph decode
 ``HALFMOON_DECODE_GRAPH_BLAS``, ``_DECODE_ATTN``      CUDA-graph decode (``cuda_graph`` on and the
                                                       flashinfer attention backend)
-``HALFMOON_L2_PREFETCH``                              CUDA-graph decode with the split-KV kernel
-                                                      in some bucket, on an sm90+ GPU
 ``HALFMOON_FLASHINFER_EXTEND``, ``_RAGGED``,           the flashinfer attention backend
 ``_PREFILL``, ``_DECODE_TENSOR_CORES``
 ====================================================  ==========================================
@@ -33,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda_graph_runner import decode_attention, graph_blas
-from engine.l2_prefetch import prefetch_mode
 from engine.small_m_gemm import small_m_gemm_mode, small_m_projections
 from engine.tuned_gemm import tuned_cache, tuned_gemm_backend, tuned_projections, tuned_rows
 
@@ -45,13 +42,11 @@ FLASHINFER_SWITCHES = ("HALFMOON_FLASHINFER_EXTEND", "HALFMOON_FLASHINFER_RAGGED
 @dataclass(frozen=True)
 class GpuPaths:
     """Which parts of the CUDA path an engine runs: ``flashinfer_ops`` (engine.fused_ops),
-    ``graphs`` (engine.cuda_graph_runner), ``flashinfer_attention`` (the flashinfer backend);
-    ``sm90``: the device is a GPU of compute capability 9.0 or above (the L2 prefetch's PTX)."""
+    ``graphs`` (engine.cuda_graph_runner), ``flashinfer_attention`` (the flashinfer backend)."""
 
     flashinfer_ops: bool
     graphs: bool
     flashinfer_attention: bool
-    sm90: bool = False
 
     @classmethod
     def of(cls, device: torch.device, dtype: torch.dtype, fused_ops: bool, cuda_graph: bool,
@@ -63,8 +58,7 @@ class GpuPaths:
         flashinfer = cuda_half and importlib.util.find_spec("flashinfer") is not None
         ops = fused_ops and flashinfer
         fi_attn = attention_backend == "flashinfer" or (attention_backend == "auto" and flashinfer)
-        sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-        return cls(flashinfer_ops=ops, graphs=cuda_graph and fi_attn, flashinfer_attention=fi_attn, sm90=sm90)
+        return cls(flashinfer_ops=ops, graphs=cuda_graph and fi_attn, flashinfer_attention=fi_attn)
 
 
 def _set(name: str) -> bool:
@@ -84,7 +78,6 @@ def check_gpu_env(paths: GpuPaths) -> None:
     tuned_cache()
     graph_blas(1, os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", ""))
     decode_attention(1)
-    prefetch = prefetch_mode()
 
     why_ops = ("needs flashinfer's fused ops (a CUDA bf16/fp16 model, fused_ops on, flashinfer installed), "
                "which this engine does not run")
@@ -109,11 +102,6 @@ def check_gpu_env(paths: GpuPaths) -> None:
     if _set("HALFMOON_DECODE_ATTN") and not paths.graphs:
         raise ValueError("HALFMOON_DECODE_ATTN picks the decode attention of CUDA-graph captures; this engine "
                          "captures none (cuda_graph off, or not the flashinfer attention backend)")
-    if prefetch != "off" and (not paths.graphs or not paths.sm90 or os.environ.get("HALFMOON_DECODE_ATTN") == "flashinfer"):
-        raise ValueError(f"HALFMOON_L2_PREFETCH={prefetch!r} runs in the split-KV decode attention of CUDA-graph "
-                         f"captures on an sm90+ GPU; this engine has graphs {'on' if paths.graphs else 'off'}, "
-                         f"{'an sm90+' if paths.sm90 else 'no sm90+'} device, HALFMOON_DECODE_ATTN="
-                         f"{os.environ.get('HALFMOON_DECODE_ATTN', '')!r}")
     for name in FLASHINFER_SWITCHES:
         if _set(name) and not paths.flashinfer_attention:
             raise ValueError(f"{name} configures the flashinfer attention backend, which this engine does not use")

@@ -21,7 +21,7 @@ gpu_tests() {  # the test files with GPU cases that run there (test_head_blocks,
   # test_staged_writes have CUDA cases too, but need the UCX binding, which the GPU machine lacks)
   python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/unit/test_rope_kv_store.py \
     tests/unit/test_small_m_gemm.py tests/unit/test_tuned_gemm.py tests/unit/test_gpu_flashinfer.py tests/unit/test_flashinfer_plan_fence.py \
-    tests/unit/test_engine_archs.py tests/unit/test_gpu_pd.py tests/unit/test_split_kv_decode.py tests/unit/test_l2_prefetch.py > /tmp/gpu_tests.log 2>&1
+    tests/unit/test_engine_archs.py tests/unit/test_gpu_pd.py tests/unit/test_split_kv_decode.py > /tmp/gpu_tests.log 2>&1
   local rc=$?
   [ -n "${OUT:-}" ] && cp /tmp/gpu_tests.log "$OUT/gpu_tests.log"
   grep -E "^E |^FAILED|^ERROR" /tmp/gpu_tests.log | cut -c1-300 | head -14

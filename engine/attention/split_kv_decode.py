@@ -34,8 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.l2_prefetch import CHUNK, chunks_per_program
-
 _KERNEL = None
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -84,21 +82,12 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def split_kv_decode_kernel(q, kc, vc, r2t, rows, seq_lens, out, part_acc, part_ml, counter, pf, pf_bytes,
+    def split_kv_decode_kernel(q, kc, vc, r2t, rows, seq_lens, out, part_acc, part_ml, counter,
                                sq_b, sq_h, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, s_r2t, so_b, so_h, scale_log2,
                                KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                               PS: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-                               PF: tl.constexpr, PF_CHUNK: tl.constexpr):
+                               PS: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
-        if PF > 0:  # this program's share of the L2 prefetch (engine.l2_prefetch), issued before any load
-            pf_off = (bh * S + split).to(tl.int64) * (PF * PF_CHUNK) + tl.arange(0, PF).to(tl.int64) * PF_CHUNK
-            pf_off = tl.minimum(pf_off, pf_bytes - PF_CHUNK)
-            # as engine.l2_prefetch's kernel: only threads below PF issue (PF < threads is replicated)
-            tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, $3; "
-                                      "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r,r",
-                                      [pf + pf_off, tl.full([PF], PF_CHUNK, tl.int32), tl.full([PF], PF, tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
         b = bh // KVH
         h = bh % KVH
         seq = tl.load(seq_lens + b).to(tl.int64)
@@ -201,14 +190,11 @@ class SplitKVDecode:
 
     def __call__(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                 out: torch.Tensor | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``q`` [B, num_heads, head_dim] (fp16/bf16, any row and head strides, last dim
         contiguous) over each request's row: ``rows`` int64 [B] into ``req_to_token`` (int32/int64
         [rows, max_context], slots below 2**31), ``seq_lens`` int32/int64 [B] (>= 1, the new token's K/V already stored);
         ``k_pages``/``v_pages`` [num_pages, page_size, kv_heads, head_dim] of the q dtype.
-        ``prefetch``: a flat uint8 CUDA tensor (engine.l2_prefetch.byte_view, at least
-        engine.l2_prefetch.CHUNK bytes) the programs ask the L2 to fetch while they attend (sm90+;
-        the output is the same with or without it).
         Returns ``out`` [B, num_heads, head_dim] (new when None). Launches one kernel, no host sync."""
         global _KERNEL
         if _KERNEL is None:
@@ -218,18 +204,13 @@ class SplitKVDecode:
             out = torch.empty(B, self.h, self.d, dtype=q.dtype, device=q.device)
         c = self.config_for(B)
         S = num_splits(B, self.kvh, self.sms, c.ctas_per_sm)
-        pf_chunks, pf_bytes = 0, 0
-        if prefetch is not None:
-            pf_bytes = prefetch.numel() - prefetch.numel() % CHUNK
-            pf_chunks = chunks_per_program(pf_bytes, B * self.kvh * S) if pf_bytes >= CHUNK else 0
         _KERNEL[(B * self.kvh, S)](
             q, k_pages, v_pages, req_to_token, rows, seq_lens, out, self.part_acc, self.part_ml, self.counter,
-            prefetch if pf_chunks else self.counter, pf_bytes,
             q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
             v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), req_to_token.stride(0),
             out.stride(0), out.stride(1), self.scale * _LOG2E,
             KVH=self.kvh, G=self.group, GP=MAX_GROUP, D=self.d, PS=self.ps, BLOCK_N=c.block_n, S=S,
-            SP=max(2, 1 << (S - 1).bit_length()), PF=pf_chunks, PF_CHUNK=CHUNK,
+            SP=max(2, 1 << (S - 1).bit_length()),
             num_warps=c.warps, num_stages=c.stages)
         return out
 

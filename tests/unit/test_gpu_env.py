@@ -9,11 +9,10 @@ import torch
 
 from engine.gpu_env import FLASHINFER_SWITCHES, TUNED_SUB_SWITCHES, GpuPaths, check_gpu_env
 
-ALL_ON = GpuPaths(flashinfer_ops=True, graphs=True, flashinfer_attention=True, sm90=True)
+ALL_ON = GpuPaths(flashinfer_ops=True, graphs=True, flashinfer_attention=True)
 CPU = GpuPaths(flashinfer_ops=False, graphs=False, flashinfer_attention=False)
 ALL_SWITCHES = ("HALFMOON_SMALL_M_GEMM", "HALFMOON_SMALL_M_GEMM_ON", "HALFMOON_FUSED_ROPE_STORE",
-                "HALFMOON_TUNED_GEMM", *TUNED_SUB_SWITCHES, "HALFMOON_DECODE_GRAPH_BLAS", "HALFMOON_DECODE_ATTN", "HALFMOON_L2_PREFETCH",
-                *FLASHINFER_SWITCHES)
+                "HALFMOON_TUNED_GEMM", *TUNED_SUB_SWITCHES, "HALFMOON_DECODE_GRAPH_BLAS", "HALFMOON_DECODE_ATTN", *FLASHINFER_SWITCHES)
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +31,7 @@ def test_nothing_set_is_fine_for_every_engine(paths):
                                        ("HALFMOON_TUNED_GEMM", "cublaslt"), ("HALFMOON_TUNED_GEMM_ROWS", "2-16"),
                                        ("HALFMOON_TUNED_GEMM_CACHE", "/tmp/tuned.json"),
                                        ("HALFMOON_DECODE_GRAPH_BLAS", "cublas"),
-                                       ("HALFMOON_DECODE_ATTN", "split_kv"), ("HALFMOON_L2_PREFETCH", "o"),
+                                       ("HALFMOON_DECODE_ATTN", "split_kv"),
                                        *[(n, "0" if n.endswith("CORES") else "fa2") for n in FLASHINFER_SWITCHES
                                          if n != "HALFMOON_FLASHINFER_EXTEND"],
                                        ("HALFMOON_FLASHINFER_EXTEND", "paged")])
@@ -109,18 +108,4 @@ def test_the_decode_attention_switch_needs_graphs_and_a_known_kernel(monkeypatch
         check_gpu_env(GpuPaths(flashinfer_ops=True, graphs=False, flashinfer_attention=True))
     monkeypatch.setenv("HALFMOON_DECODE_ATTN", "xqa")
     with pytest.raises(ValueError, match="HALFMOON_DECODE_ATTN='xqa': expected one of"):
-        check_gpu_env(ALL_ON)
-
-
-def test_the_l2_prefetch_needs_split_kv_graphs_on_an_sm90_gpu(monkeypatch):
-    monkeypatch.setenv("HALFMOON_L2_PREFETCH", "o")
-    check_gpu_env(ALL_ON)
-    for paths in (GpuPaths(True, False, True), GpuPaths(True, True, True, sm90=False), CPU):
-        with pytest.raises(ValueError, match="HALFMOON_L2_PREFETCH='o' runs in the split-KV"):
-            check_gpu_env(paths)
-    monkeypatch.setenv("HALFMOON_DECODE_ATTN", "flashinfer")  # no bucket would run the kernel
-    with pytest.raises(ValueError, match="HALFMOON_L2_PREFETCH='o' runs in the split-KV"):
-        check_gpu_env(ALL_ON)
-    monkeypatch.setenv("HALFMOON_L2_PREFETCH", "all")
-    with pytest.raises(ValueError, match="HALFMOON_L2_PREFETCH='all': expected one of"):
         check_gpu_env(ALL_ON)

@@ -189,18 +189,18 @@ def test_model_matches_transformers_on_gpu(shape):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("decode_attn", ["", "split_kv", "split_kv+prefetch"])
+@pytest.mark.parametrize("decode_attn", ["", "split_kv"])
 @pytest.mark.parametrize("n_req,max_bs,bucket", [(3, 8, 4), (29, 32, 32)])
 def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode_attn, monkeypatch):
     """A decode batch of 3 (bucket 4: o/down on tinygemm) or 29 (bucket 32: captured under cuBLASLt)
     through the graph equals the eager forward (flashinfer's decode wrapper), and the pad entries
-    write only the scratch page; with ``HALFMOON_DECODE_ATTN=split_kv`` the graphs attend with
-    engine.attention.split_kv_decode (bucket 4: 4 x 2 kv heads -> 32 splits, most of them empty, merged
-    in-kernel), "+prefetch" with ``HALFMOON_L2_PREFETCH=o`` as well (each layer's o_proj weight asked of the L2)."""
-    decode_attn, _, prefetch = decode_attn.partition("+")
+    write only the scratch page. Unset, each bucket takes the default attention (bucket 4 flashinfer's
+    wrapper, 32 engine.attention.split_kv_decode: ``SPLIT_KV_BUCKETS``); with
+    ``HALFMOON_DECODE_ATTN=split_kv`` every bucket attends with the split-KV kernel (bucket 4: 4 x 2
+    kv heads -> 32 splits, most of them empty, merged in-kernel)."""
     monkeypatch.setenv("HALFMOON_DECODE_ATTN", decode_attn)
-    monkeypatch.setenv("HALFMOON_L2_PREFETCH", "o" if prefetch else "")
     from engine.config import EngineConfig
+    from engine.cuda_graph_runner import SPLIT_KV_BUCKETS
     from engine.forward_batch import ForwardBatch, ForwardMode
     from engine.model_runner import ModelRunner
 
@@ -218,8 +218,8 @@ def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode
                                  cuda_graph_max_bs=max_bs))
     assert r.graph_runner is not None and r.graph_runner.bucket_for(n_req) == bucket
     gr = r.graph_runner
-    assert gr.attn[bucket] == (decode_attn or "flashinfer") and gr.attn[1] == (decode_attn or "split_kv")
-    assert sorted(gr.prefetch) == ([0, 1] if prefetch else [])  # both layers' o_proj, or none
+    default = "split_kv" if bucket in SPLIT_KV_BUCKETS else "flashinfer"
+    assert gr.attn[bucket] == (decode_attn or default) and gr.attn[1] == (decode_attn or "split_kv")
     for buf in r.kv_pool.buffers():
         buf.normal_()
     rows, locs, lens = [], [], ([5, 40, 17] + [3 + 7 * i % 60 for i in range(n_req - 3)])[:n_req]
