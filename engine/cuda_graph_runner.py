@@ -60,10 +60,11 @@ DECODE_ATTN_CHOICES = ("flashinfer", "split_kv")
 # whose graph replay (Llama-3.1-8B shapes, bf16, per-batch launch shape) beat flashinfer's wrapper in
 # both of two interleaved runs at ctx 1k and 4k on an H100 (bench/results/GPU_NOTES.md, session 20):
 # e.g. B=32 7.65 vs 7.88 ms at 1k and 11.73-11.76 vs 12.03 at 4k, B=64 9.01 vs 9.40 and 17.11-17.13
-# vs 17.55, B=128 12.11 vs 12.61 at 1k (96 and 128 measured at 1k only). B=1 tied at 4k (±4 us) and
-# won at 1k, as on the H200 in session 17; B=4 lost at 4k by 6 us. Buckets above 128 were not
-# measured and keep the wrapper.
-SPLIT_KV_BUCKETS = frozenset({1, 2, 8, 12, 16, 24, 32, 48, 64, 96, 128})
+# vs 17.55, B=128 12.11 vs 12.61 at 1k (96 and 128 measured at 1k only), or that tied at 4k and won
+# at 1k: B=1 (±4 us at 4k, as on the H200 in session 17) and B=4 (+6, +7, +8, -11 us at 4k and -23
+# to -46 us at 1k over four runs on two H100s, sessions 20 and 21; the synced step 0.18-0.6 ms
+# shorter: no host plan). Buckets above 128 were not measured and keep the wrapper.
+SPLIT_KV_BUCKETS = frozenset({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128})
 
 
 def decode_attention(bucket: int, env: str | None = None) -> str:

@@ -63,9 +63,9 @@ def test_decode_attention_per_bucket_follows_the_env_or_the_measured_buckets(mon
     from engine import cuda_graph_runner as cgr
 
     monkeypatch.delenv("HALFMOON_DECODE_ATTN", raising=False)
-    assert cgr.SPLIT_KV_BUCKETS == {1, 2, 8, 12, 16, 24, 32, 48, 64, 96, 128}  # measured (GPU_NOTES session 20)
+    assert cgr.SPLIT_KV_BUCKETS == {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128}  # measured (GPU_NOTES sessions 20-21)
     assert [cgr.decode_attention(b) for b in (1, 2, 4, 8, 12, 16, 32, 64, 128, 160, 256)] == [
-        "split_kv", "split_kv", "flashinfer", "split_kv", "split_kv", "split_kv", "split_kv", "split_kv",
+        "split_kv", "split_kv", "split_kv", "split_kv", "split_kv", "split_kv", "split_kv", "split_kv",
         "split_kv", "flashinfer", "flashinfer"]
     assert cgr.decode_attention(1, "flashinfer") == "flashinfer" and cgr.decode_attention(64, "split_kv") == "split_kv"
     monkeypatch.setenv("HALFMOON_DECODE_ATTN", "flashinfer")
@@ -189,15 +189,15 @@ def test_model_matches_transformers_on_gpu(shape):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("decode_attn", ["", "split_kv"])
+@pytest.mark.parametrize("decode_attn", ["", "split_kv", "flashinfer"])
 @pytest.mark.parametrize("n_req,max_bs,bucket", [(3, 8, 4), (29, 32, 32)])
 def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode_attn, monkeypatch):
     """A decode batch of 3 (bucket 4: o/down on tinygemm) or 29 (bucket 32: captured under cuBLASLt)
     through the graph equals the eager forward (flashinfer's decode wrapper), and the pad entries
-    write only the scratch page. Unset, each bucket takes the default attention (bucket 4 flashinfer's
-    wrapper, 32 engine.attention.split_kv_decode: ``SPLIT_KV_BUCKETS``); with
-    ``HALFMOON_DECODE_ATTN=split_kv`` every bucket attends with the split-KV kernel (bucket 4: 4 x 2
-    kv heads -> 32 splits, most of them empty, merged in-kernel)."""
+    write only the scratch page. Unset, each bucket takes its default attention (``SPLIT_KV_BUCKETS``:
+    both buckets here attend with engine.attention.split_kv_decode; bucket 4: 4 x 2 kv heads -> 32
+    splits, most of them empty, merged in-kernel); ``HALFMOON_DECODE_ATTN`` forces one kernel for
+    every bucket ("flashinfer": the graph-mode wrapper, planned on the host before each replay)."""
     monkeypatch.setenv("HALFMOON_DECODE_ATTN", decode_attn)
     from engine.config import EngineConfig
     from engine.cuda_graph_runner import SPLIT_KV_BUCKETS
