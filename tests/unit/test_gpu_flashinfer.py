@@ -194,13 +194,13 @@ def test_model_matches_transformers_on_gpu(shape):
 def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode_attn, monkeypatch):
     """A decode batch of 3 (bucket 4: o/down on tinygemm) or 29 (bucket 32: captured under cuBLASLt)
     through the graph equals the eager forward (flashinfer's decode wrapper), and the pad entries
-    write only the scratch page. Unset, each bucket takes its default attention (``SPLIT_KV_BUCKETS``:
+    write only the scratch page. Unset, each bucket takes its default attention (``decode_attention``:
     both buckets here attend with engine.attention.split_kv_decode; bucket 4: 4 x 2 kv heads -> 32
     splits, most of them empty, merged in-kernel); ``HALFMOON_DECODE_ATTN`` forces one kernel for
     every bucket ("flashinfer": the graph-mode wrapper, planned on the host before each replay)."""
     monkeypatch.setenv("HALFMOON_DECODE_ATTN", decode_attn)
     from engine.config import EngineConfig
-    from engine.cuda_graph_runner import SPLIT_KV_BUCKETS
+    from engine.cuda_graph_runner import decode_attention
     from engine.forward_batch import ForwardBatch, ForwardMode
     from engine.model_runner import ModelRunner
 
@@ -218,8 +218,8 @@ def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode
                                  cuda_graph_max_bs=max_bs))
     assert r.graph_runner is not None and r.graph_runner.bucket_for(n_req) == bucket
     gr = r.graph_runner
-    default = "split_kv" if bucket in SPLIT_KV_BUCKETS else "flashinfer"
-    assert gr.attn[bucket] == (decode_attn or default) and gr.attn[1] == (decode_attn or "split_kv")
+    assert gr.attn[bucket] == (decode_attn or decode_attention(bucket, ""))
+    assert gr.attn[1] == (decode_attn or "split_kv")
     for buf in r.kv_pool.buffers():
         buf.normal_()
     rows, locs, lens = [], [], ([5, 40, 17] + [3 + 7 * i % 60 for i in range(n_req - 3)])[:n_req]
