@@ -80,6 +80,19 @@ def decode_attention(bucket: int, env: str | None = None) -> str:
     return "split_kv" if bucket in SPLIT_KV_BUCKETS else "flashinfer"
 
 
+def decode_pdl(env: str | None = None) -> bool:
+    """Whether the graphs' split-KV buckets launch the fused RoPE + K/V store and the attention
+    kernel with programmatic dependent launch: ``env`` (default ``HALFMOON_DECODE_PDL``) "1", off
+    when unset or "0". With it each of the two lets the next kernel launch while it runs, so the
+    attention's launch and first loads overlap the store, and tinygemm's o_proj (itself launched
+    that way at <= 8 rows) starts streaming its weight during the attention. Raises ValueError on
+    any other value."""
+    env = os.environ.get("HALFMOON_DECODE_PDL", "") if env is None else env
+    if env not in ("", "0", "1"):
+        raise ValueError(f"HALFMOON_DECODE_PDL={env!r}: expected 0 or 1")
+    return env == "1"
+
+
 def graph_blas(bucket: int, env: str = "") -> str:
     """The BLAS library torch calls for the GEMMs captured in ``bucket``'s graph: ``env`` (the value
     of ``HALFMOON_DECODE_GRAPH_BLAS``) when set, else "cublaslt" from :data:`CUBLASLT_FROM_BUCKET`
@@ -123,10 +136,11 @@ class _SplitKV(AttentionBackend):
 
     has_attend = True
 
-    def __init__(self, backend: FlashInferAttentionBackend, kernel):
+    def __init__(self, backend: FlashInferAttentionBackend, kernel, pdl: bool = False):
         super().__init__(backend.kv_pool, backend.req_to_token_pool, backend.num_heads, backend.num_kv_heads,
                          backend.head_dim, backend.scale)
         self.kernel = kernel
+        self.pdl = pdl  # read by the fused ops' RoPE + K/V store too (engine.fused_ops)
 
     def init_forward(self, batch) -> None:
         pass  # nothing to plan: the kernel reads req_to_token and seq_lens on the device
@@ -137,7 +151,8 @@ class _SplitKV(AttentionBackend):
 
     def attend(self, q, k, v, layer, batch):
         o = self.kernel(q, self.kv_pool.k_pages(layer), self.kv_pool.v_pages(layer),
-                        self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens)
+                        self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                        pdl=self.pdl)
         return o.view(q.shape[0], self.num_heads * self.head_dim)
 
 
@@ -184,6 +199,7 @@ class CudaGraphRunner:
         self.mempool = torch.cuda.graph_pool_handle()
         self.split_kv = None  # the kernel, made when some bucket uses it
         self.attn = {b: decode_attention(b) for b in self.buckets}  # per bucket: "flashinfer" | "split_kv"
+        self.pdl = decode_pdl()  # the split-KV buckets' store and attention kernels
         if "split_kv" in self.attn.values():
             from engine.attention.split_kv_decode import SplitKVDecode
 
@@ -256,7 +272,7 @@ class CudaGraphRunner:
             self._plan(b, None)
             planned = _Planned(self.backend, self.wrappers[b])
         else:
-            planned = _SplitKV(self.backend, self.split_kv)
+            planned = _SplitKV(self.backend, self.split_kv, self.pdl)
         batch = self._static_batch(b)
         tuned = getattr(getattr(self.model, "_fused", None), "tuned", None)  # engine.tuned_gemm, or None
         stream = torch.cuda.Stream(self.device)

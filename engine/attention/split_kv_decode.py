@@ -85,13 +85,18 @@ def _build():
     def split_kv_decode_kernel(q, kc, vc, r2t, rows, seq_lens, out, part_acc, part_ml, counter,
                                sq_b, sq_h, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, s_r2t, so_b, so_h, scale_log2,
                                KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                               PS: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr):
+                               PS: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                               PDL: tl.constexpr):
+        if PDL:  # let the next kernel launch now: it waits for this grid's completion before it reads
+            tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // KVH
         h = bh % KVH
         seq = tl.load(seq_lens + b).to(tl.int64)
         row = tl.load(rows + b).to(tl.int64)
+        if PDL:  # q and the new token's K/V come from the kernel before (the fused RoPE + K/V store)
+            tl.extra.cuda.gdc_wait()
         chunk = tl.cdiv(tl.cdiv(seq, S), BLOCK_N) * BLOCK_N
         start = split * chunk
         end = tl.minimum(start + chunk, seq)
@@ -190,12 +195,18 @@ class SplitKVDecode:
 
     def __call__(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
         """Attention of ``q`` [B, num_heads, head_dim] (fp16/bf16, any row and head strides, last dim
         contiguous) over each request's row: ``rows`` int64 [B] into ``req_to_token`` (int32/int64
         [rows, max_context], slots below 2**31), ``seq_lens`` int32/int64 [B] (>= 1, the new token's K/V already stored);
         ``k_pages``/``v_pages`` [num_pages, page_size, kv_heads, head_dim] of the q dtype.
-        Returns ``out`` [B, num_heads, head_dim] (new when None). Launches one kernel, no host sync."""
+        Returns ``out`` [B, num_heads, head_dim] (new when None). Launches one kernel, no host sync.
+
+        ``pdl``: launch it with programmatic dependent launch (CUDA, sm90+): it may start while the
+        kernel before it runs, reads ``seq_lens`` and ``rows`` then, and waits for that kernel
+        before anything else, so those two (and the pool's earlier tokens) must not be written by
+        the kernel just before it (the graphs write them before the step); it also lets the kernel
+        after it launch at once (that kernel must wait, as tinygemm and flashinfer's PDL kernels do)."""
         global _KERNEL
         if _KERNEL is None:
             _KERNEL = _build()
@@ -210,8 +221,8 @@ class SplitKVDecode:
             v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), req_to_token.stride(0),
             out.stride(0), out.stride(1), self.scale * _LOG2E,
             KVH=self.kvh, G=self.group, GP=MAX_GROUP, D=self.d, PS=self.ps, BLOCK_N=c.block_n, S=S,
-            SP=max(2, 1 << (S - 1).bit_length()),
-            num_warps=c.warps, num_stages=c.stages)
+            SP=max(2, 1 << (S - 1).bit_length()), PDL=pdl,
+            num_warps=c.warps, num_stages=c.stages, **({"launch_pdl": True} if pdl else {}))
         return out
 
 

@@ -109,3 +109,20 @@ def test_the_decode_attention_switch_needs_graphs_and_a_known_kernel(monkeypatch
     monkeypatch.setenv("HALFMOON_DECODE_ATTN", "xqa")
     with pytest.raises(ValueError, match="HALFMOON_DECODE_ATTN='xqa': expected one of"):
         check_gpu_env(ALL_ON)
+
+
+def test_the_decode_pdl_switch_needs_a_split_kv_graph_and_a_known_value(monkeypatch):
+    from engine.cuda_graph_runner import decode_pdl
+
+    assert decode_pdl("") is False and decode_pdl("0") is False and decode_pdl("1") is True
+    monkeypatch.setenv("HALFMOON_DECODE_PDL", "1")
+    check_gpu_env(ALL_ON)
+    with pytest.raises(ValueError, match="HALFMOON_DECODE_PDL launches the split-KV decode kernels"):
+        check_gpu_env(GpuPaths(flashinfer_ops=True, graphs=False, flashinfer_attention=True))
+    monkeypatch.setenv("HALFMOON_DECODE_ATTN", "flashinfer")
+    with pytest.raises(ValueError, match="no bucket attends with the split-KV kernel"):
+        check_gpu_env(ALL_ON)
+    monkeypatch.setenv("HALFMOON_DECODE_ATTN", "")
+    monkeypatch.setenv("HALFMOON_DECODE_PDL", "yes")
+    with pytest.raises(ValueError, match="HALFMOON_DECODE_PDL='yes': expected 0 or 1"):
+        check_gpu_env(ALL_ON)

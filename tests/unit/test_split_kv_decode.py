@@ -24,10 +24,12 @@ def test_interpreted_cases_pass():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("B,C", [(1, 1024), (3, 777), (8, 4096), (40, 300)])
-def test_compiled_kernel_matches_the_reference_on_gpu(B, C):
+def test_compiled_kernel_matches_the_reference_on_gpu(B, C, pdl):
     """bf16 on the GPU, compiled: the in-kernel merge (one ticket per program, the last merges) holds
-    across 20 launches, each equal to the float32 reference within bf16 rounding."""
+    across 20 launches, each equal to the float32 reference within bf16 rounding. With ``pdl`` each
+    launch follows a kernel that writes q (programmatic dependent launch: the kernel must wait for it)."""
     import torch
 
     from engine.attention.split_kv_decode import SplitKVDecode, reference
@@ -46,8 +48,12 @@ def test_compiled_kernel_matches_the_reference_on_gpu(B, C):
     q = torch.randn(B, H + 2 * KVH, D, device="cuda", generator=g).bfloat16()[:, :H]
     att = SplitKVDecode(H, KVH, D, PS, B, "cuda")
     ref = reference(q, k, v, r2t, rows, seq)
-    for _ in range(20):
-        out = att(q, k, v, r2t, rows, seq)
+    q_src = q.clone()
+    for i in range(20):
+        if pdl:  # q rewritten by the kernel just before, with a wrong value first
+            q.fill_(float(i + 1))
+            q.copy_(q_src)
+        out = att(q, k, v, r2t, rows, seq, pdl=pdl)
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     assert int(att.counter.abs().sum()) == 0
 
