@@ -82,15 +82,20 @@ def decode_attention(bucket: int, env: str | None = None) -> str:
 
 def decode_pdl(env: str | None = None) -> bool:
     """Whether the graphs' split-KV buckets launch the fused RoPE + K/V store and the attention
-    kernel with programmatic dependent launch: ``env`` (default ``HALFMOON_DECODE_PDL``) "1", off
-    when unset or "0". With it each of the two lets the next kernel launch while it runs, so the
-    attention's launch and first loads overlap the store, and tinygemm's o_proj (itself launched
-    that way at <= 8 rows) starts streaming its weight during the attention. Raises ValueError on
-    any other value."""
+    kernel with programmatic dependent launch (sm90+): on unless ``env`` (default
+    ``HALFMOON_DECODE_PDL``) is "0"; "1" or unset is on (on sm90+ GPUs only: the graph runner
+    turns it off below that, or refuses "1"). Each of the two lets the next kernel launch
+    while it runs and waits for the one before it, so the attention's launch and first loads overlap
+    the store, and tinygemm's o_proj (itself launched that way at <= 8 rows) starts streaming its
+    weight before the attention ends. Measured (Llama-3.1-8B shapes, bf16, one H100, two
+    interleaved runs, bench/results/GPU_NOTES.md session 22): the replay was shorter in all 22 cells
+    (B = 1, 4, 8, 32, 64 at ctx 1k and 4k and B=128 at 1k): -0.04 to -0.07 ms at B = 1-4 ctx 1k,
+    -0.08 to -0.10 at B=8 1k, -0.19 to -0.24 at B=8 4k, -0.015 to -0.07 from B=32 up. Raises
+    ValueError on any other value."""
     env = os.environ.get("HALFMOON_DECODE_PDL", "") if env is None else env
     if env not in ("", "0", "1"):
         raise ValueError(f"HALFMOON_DECODE_PDL={env!r}: expected 0 or 1")
-    return env == "1"
+    return env != "0"
 
 
 def graph_blas(bucket: int, env: str = "") -> str:
@@ -199,7 +204,12 @@ class CudaGraphRunner:
         self.mempool = torch.cuda.graph_pool_handle()
         self.split_kv = None  # the kernel, made when some bucket uses it
         self.attn = {b: decode_attention(b) for b in self.buckets}  # per bucket: "flashinfer" | "split_kv"
-        self.pdl = decode_pdl()  # the split-KV buckets' store and attention kernels
+        # the split-KV buckets' store and attention kernels; griddepcontrol needs sm90+
+        sm90 = torch.cuda.get_device_capability(dev)[0] >= 9
+        if os.environ.get("HALFMOON_DECODE_PDL", "") == "1" and not sm90:
+            raise ValueError(f"HALFMOON_DECODE_PDL=1 needs an sm90+ GPU (programmatic dependent launch); "
+                             f"{torch.cuda.get_device_name(dev)} is sm{''.join(map(str, torch.cuda.get_device_capability(dev)))}")
+        self.pdl = decode_pdl() and sm90
         if "split_kv" in self.attn.values():
             from engine.attention.split_kv_decode import SplitKVDecode
 

@@ -79,7 +79,7 @@ def check_gpu_env(paths: GpuPaths) -> None:
     tuned_cache()
     graph_blas(1, os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", ""))
     decode_attention(1)
-    pdl = decode_pdl()
+    decode_pdl()
 
     why_ops = ("needs flashinfer's fused ops (a CUDA bf16/fp16 model, fused_ops on, flashinfer installed), "
                "which this engine does not run")
@@ -104,10 +104,10 @@ def check_gpu_env(paths: GpuPaths) -> None:
     if _set("HALFMOON_DECODE_ATTN") and not paths.graphs:
         raise ValueError("HALFMOON_DECODE_ATTN picks the decode attention of CUDA-graph captures; this engine "
                          "captures none (cuda_graph off, or not the flashinfer attention backend)")
-    if pdl and not paths.graphs:
+    if _set("HALFMOON_DECODE_PDL") and not paths.graphs:
         raise ValueError("HALFMOON_DECODE_PDL launches the split-KV decode kernels of CUDA-graph captures; this "
                          "engine captures none (cuda_graph off, or not the flashinfer attention backend)")
-    if pdl and os.environ.get("HALFMOON_DECODE_ATTN", "") == "flashinfer":
+    if _set("HALFMOON_DECODE_PDL") and os.environ.get("HALFMOON_DECODE_ATTN", "") == "flashinfer":
         raise ValueError("HALFMOON_DECODE_PDL has no effect with HALFMOON_DECODE_ATTN='flashinfer': no bucket "
                          "attends with the split-KV kernel")
     for name in FLASHINFER_SWITCHES:

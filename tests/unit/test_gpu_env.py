@@ -114,8 +114,10 @@ def test_the_decode_attention_switch_needs_graphs_and_a_known_kernel(monkeypatch
 def test_the_decode_pdl_switch_needs_a_split_kv_graph_and_a_known_value(monkeypatch):
     from engine.cuda_graph_runner import decode_pdl
 
-    assert decode_pdl("") is False and decode_pdl("0") is False and decode_pdl("1") is True
-    monkeypatch.setenv("HALFMOON_DECODE_PDL", "1")
+    assert decode_pdl("") is True and decode_pdl("1") is True and decode_pdl("0") is False  # on by default
+    monkeypatch.delenv("HALFMOON_DECODE_PDL", raising=False)
+    check_gpu_env(GpuPaths(flashinfer_ops=True, graphs=False, flashinfer_attention=True))  # the default: no error
+    monkeypatch.setenv("HALFMOON_DECODE_PDL", "0")
     check_gpu_env(ALL_ON)
     with pytest.raises(ValueError, match="HALFMOON_DECODE_PDL launches the split-KV decode kernels"):
         check_gpu_env(GpuPaths(flashinfer_ops=True, graphs=False, flashinfer_attention=True))
