@@ -98,17 +98,6 @@ def decode_pdl(env: str | None = None) -> bool:
     return env != "0"
 
 
-def decode_pdl_hoist(env: str | None = None) -> bool:
-    """Whether, with :func:`decode_pdl`, the store and the split-KV kernel load what the kernel
-    before them does not write (step inputs; the attention's first K/V tile but the new token)
-    before they wait for it: ``env`` (default ``HALFMOON_DECODE_PDL_HOIST``) "1"; off unset or "0".
-    Raises ValueError on any other value."""
-    env = os.environ.get("HALFMOON_DECODE_PDL_HOIST", "") if env is None else env
-    if env not in ("", "0", "1"):
-        raise ValueError(f"HALFMOON_DECODE_PDL_HOIST={env!r}: expected 0 or 1")
-    return env == "1"
-
-
 def graph_blas(bucket: int, env: str = "") -> str:
     """The BLAS library torch calls for the GEMMs captured in ``bucket``'s graph: ``env`` (the value
     of ``HALFMOON_DECODE_GRAPH_BLAS``) when set, else "cublaslt" from :data:`CUBLASLT_FROM_BUCKET`
@@ -152,11 +141,11 @@ class _SplitKV(AttentionBackend):
 
     has_attend = True
 
-    def __init__(self, backend: FlashInferAttentionBackend, kernel, pdl: bool = False, hoist: bool = False):
+    def __init__(self, backend: FlashInferAttentionBackend, kernel, pdl: bool = False):
         super().__init__(backend.kv_pool, backend.req_to_token_pool, backend.num_heads, backend.num_kv_heads,
                          backend.head_dim, backend.scale)
         self.kernel = kernel
-        self.pdl, self.hoist = pdl, hoist  # read by the fused ops' RoPE + K/V store too (engine.fused_ops)
+        self.pdl = pdl  # read by the fused ops' RoPE + K/V store too (engine.fused_ops)
 
     def init_forward(self, batch) -> None:
         pass  # nothing to plan: the kernel reads req_to_token and seq_lens on the device
@@ -168,7 +157,7 @@ class _SplitKV(AttentionBackend):
     def attend(self, q, k, v, layer, batch):
         o = self.kernel(q, self.kv_pool.k_pages(layer), self.kv_pool.v_pages(layer),
                         self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                        pdl=self.pdl, hoist=self.hoist)
+                        pdl=self.pdl)
         return o.view(q.shape[0], self.num_heads * self.head_dim)
 
 
@@ -221,7 +210,6 @@ class CudaGraphRunner:
             raise ValueError(f"HALFMOON_DECODE_PDL=1 needs an sm90+ GPU (programmatic dependent launch); "
                              f"{torch.cuda.get_device_name(dev)} is sm{''.join(map(str, torch.cuda.get_device_capability(dev)))}")
         self.pdl = decode_pdl() and sm90
-        self.hoist = decode_pdl_hoist()
         if "split_kv" in self.attn.values():
             from engine.attention.split_kv_decode import SplitKVDecode
 
@@ -294,7 +282,7 @@ class CudaGraphRunner:
             self._plan(b, None)
             planned = _Planned(self.backend, self.wrappers[b])
         else:
-            planned = _SplitKV(self.backend, self.split_kv, self.pdl, self.hoist)
+            planned = _SplitKV(self.backend, self.split_kv, self.pdl)
         batch = self._static_batch(b)
         tuned = getattr(getattr(self.model, "_fused", None), "tuned", None)  # engine.tuned_gemm, or None
         stream = torch.cuda.Stream(self.device)

@@ -9,7 +9,7 @@ switch                                                takes effect in
 ``HALFMOON_FUSED_ROPE_STORE``                         ``fused_ops`` on, flashinfer installed)
 ``HALFMOON_TUNED_GEMM``, ``_ROWS``, ``_ON``, ``_CACHE``  those fused ops inside CUDA-graph decode
 ``HALFMOON_DECODE_GRAPH_BLAS``, ``_DECODE_ATTN``,     CUDA-graph decode (``cuda_graph`` on and the
-``HALFMOON_DECODE_PDL``, ``_PDL_HOIST``               flashinfer attention backend; ``_PDL``: some
+``HALFMOON_DECODE_PDL``                               flashinfer attention backend; ``_PDL``: some
                                                       bucket on the split-KV kernel)
 ``HALFMOON_FLASHINFER_EXTEND``, ``_RAGGED``,           the flashinfer attention backend
 ``_PREFILL``, ``_DECODE_TENSOR_CORES``
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graph_runner import decode_attention, decode_pdl, decode_pdl_hoist, graph_blas
+from engine.cuda_graph_runner import decode_attention, decode_pdl, graph_blas
 from engine.small_m_gemm import small_m_gemm_mode, small_m_projections
 from engine.tuned_gemm import tuned_cache, tuned_gemm_backend, tuned_projections, tuned_rows
 
@@ -79,8 +79,7 @@ def check_gpu_env(paths: GpuPaths) -> None:
     tuned_cache()
     graph_blas(1, os.environ.get("HALFMOON_DECODE_GRAPH_BLAS", ""))
     decode_attention(1)
-    pdl = decode_pdl()
-    decode_pdl_hoist()
+    decode_pdl()
 
     why_ops = ("needs flashinfer's fused ops (a CUDA bf16/fp16 model, fused_ops on, flashinfer installed), "
                "which this engine does not run")
@@ -111,9 +110,6 @@ def check_gpu_env(paths: GpuPaths) -> None:
     if _set("HALFMOON_DECODE_PDL") and os.environ.get("HALFMOON_DECODE_ATTN", "") == "flashinfer":
         raise ValueError("HALFMOON_DECODE_PDL has no effect with HALFMOON_DECODE_ATTN='flashinfer': no bucket "
                          "attends with the split-KV kernel")
-    if _set("HALFMOON_DECODE_PDL_HOIST") and not (pdl and paths.graphs):
-        raise ValueError("HALFMOON_DECODE_PDL_HOIST has no effect: it moves loads before the programmatic-launch "
-                         "waits of CUDA-graph captures (HALFMOON_DECODE_PDL on, cuda_graph on, the flashinfer backend)")
     for name in FLASHINFER_SWITCHES:
         if _set(name) and not paths.flashinfer_attention:
             raise ValueError(f"{name} configures the flashinfer attention backend, which this engine does not use")

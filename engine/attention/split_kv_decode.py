@@ -86,7 +86,7 @@ def _build():
                                sq_b, sq_h, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, s_r2t, so_b, so_h, scale_log2,
                                KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                                PS: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-                               PDL: tl.constexpr, HOIST: tl.constexpr):
+                               PDL: tl.constexpr):
         if PDL:  # let the next kernel launch now: it waits for this grid's completion before it reads
             tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
@@ -95,6 +95,8 @@ def _build():
         h = bh % KVH
         seq = tl.load(seq_lens + b).to(tl.int64)
         row = tl.load(rows + b).to(tl.int64)
+        if PDL:  # q and the new token's K/V come from the kernel before (the fused RoPE + K/V store)
+            tl.extra.cuda.gdc_wait()
         chunk = tl.cdiv(tl.cdiv(seq, S), BLOCK_N) * BLOCK_N
         start = split * chunk
         end = tl.minimum(start + chunk, seq)
@@ -102,41 +104,11 @@ def _build():
         d = tl.arange(0, D)
         gmask = g < G
         qh = h * G + g
+        qt = tl.load(q + b * sq_b + qh[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        first = start
-        if HOIST:
-            # the first tile's slots and K/V before q: every token but the new one (seq - 1), which
-            # the kernel before this one (the fused RoPE + K/V store) writes, as it writes q
-            n = start + tl.arange(0, BLOCK_N)
-            nmask = n < end
-            old = nmask & (n < seq - 1)
-            slot = tl.load(r2t + row * s_r2t + n, mask=nmask, other=0).to(tl.int32).to(tl.int64)
-            k_at = kc + (slot // PS * sk_p + slot % PS * sk_t + h * sk_h)[:, None] + d[None, :]
-            v_at = vc + (slot // PS * sv_p + slot % PS * sv_t + h * sv_h)[:, None] + d[None, :]
-            kt = tl.load(k_at, mask=old[:, None], other=0.0)
-            vt = tl.load(v_at, mask=old[:, None], other=0.0)
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-            qt = tl.load(q + b * sq_b + qh[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
-            new = (nmask & (n == seq - 1))[:, None]
-            kt = tl.where(new, tl.load(k_at, mask=new, other=0.0), kt)
-            vt = tl.where(new, tl.load(v_at, mask=new, other=0.0), vt)
-            if start < end:  # the loop's step below (an empty split leaves m = -inf, l = 0)
-                s = tl.where(nmask[None, :], tl.dot(qt, tl.trans(kt)) * scale_log2, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                p = tl.exp2(s - m_new[:, None])
-                alpha = tl.exp2(m - m_new)
-                l = l * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-                m = m_new
-            first = start + BLOCK_N
-        else:
-            if PDL:  # q and the new token's K/V come from the kernel before (the fused RoPE + K/V store)
-                tl.extra.cuda.gdc_wait()
-            qt = tl.load(q + b * sq_b + qh[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
-        for n0 in range(first, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nmask = n < end
             # through int32 (slots are < 2**31): from a raw int64 load the compiler keeps the page,
@@ -223,7 +195,7 @@ class SplitKVDecode:
 
     def __call__(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                 out: torch.Tensor | None = None, pdl: bool = False, hoist: bool = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
         """Attention of ``q`` [B, num_heads, head_dim] (fp16/bf16, any row and head strides, last dim
         contiguous) over each request's row: ``rows`` int64 [B] into ``req_to_token`` (int32/int64
         [rows, max_context], slots below 2**31), ``seq_lens`` int32/int64 [B] (>= 1, the new token's K/V already stored);
@@ -234,9 +206,7 @@ class SplitKVDecode:
         kernel before it runs, reads ``seq_lens`` and ``rows`` then, and waits for that kernel
         before anything else, so those two (and the pool's earlier tokens) must not be written by
         the kernel just before it (the graphs write them before the step); it also lets the kernel
-        after it launch at once (that kernel must wait, as tinygemm and flashinfer's PDL kernels do).
-        ``hoist``: load each program's first tile of K/V (all but the new token, position
-        ``seq_len - 1``) before q and, with ``pdl``, before the wait; the new token's K/V after it."""
+        after it launch at once (that kernel must wait, as tinygemm and flashinfer's PDL kernels do)."""
         global _KERNEL
         if _KERNEL is None:
             _KERNEL = _build()
@@ -251,7 +221,7 @@ class SplitKVDecode:
             v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), req_to_token.stride(0),
             out.stride(0), out.stride(1), self.scale * _LOG2E,
             KVH=self.kvh, G=self.group, GP=MAX_GROUP, D=self.d, PS=self.ps, BLOCK_N=c.block_n, S=S,
-            SP=max(2, 1 << (S - 1).bit_length()), PDL=pdl, HOIST=hoist,
+            SP=max(2, 1 << (S - 1).bit_length()), PDL=pdl,
             num_warps=c.warps, num_stages=c.stages, **({"launch_pdl": True} if pdl else {}))
         return out
 

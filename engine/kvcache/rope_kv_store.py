@@ -42,11 +42,10 @@ def _build():
     @triton.jit
     def rope_kv_store_kernel(q, k, v, pos, slots, cs, kc, vc, sq, sk, sv, scs, s_page, s_tok,
                              H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-                             BH: tl.constexpr, PDL: tl.constexpr, HOIST: tl.constexpr):
+                             BH: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # the next kernel may launch now (it waits for this grid); this one waits for the q/k/v GEMM
             tl.extra.cuda.gdc_launch_dependents()
-            if not HOIST:
-                tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1)
         HALF: tl.constexpr = D // 2
@@ -60,8 +59,6 @@ def _build():
             p = tl.load(pos + t)
             cos = tl.load(cs + p * scs + i)
             sin = tl.load(cs + p * scs + HALF + i)
-            if PDL and HOIST:  # slots, positions and the table are written before the step: only q/k/v wait
-                tl.extra.cuda.gdc_wait()
             if b < NQB:
                 src = q + t * sq + (b * BH + hh) * D
             else:
@@ -79,8 +76,6 @@ def _build():
         else:
             d = tl.arange(0, D)[None, :]
             h = (b - NQB - NKB) * BH + hh
-            if PDL and HOIST:
-                tl.extra.cuda.gdc_wait()
             x = tl.load(v + t * sv + h * D + d)
             tl.store(vc + dst_off + h * D + d, x.to(vc.dtype.element_ty))
 
@@ -89,7 +84,7 @@ def _build():
 
 def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor, slots: torch.Tensor, k_pages: torch.Tensor,
-                  v_pages: torch.Tensor, num_warps: int = 4, pdl: bool = False, hoist: bool = False) -> None:
+                  v_pages: torch.Tensor, num_warps: int = 4, pdl: bool = False) -> None:
     """Rotate q and k in place (NeoX RoPE) and store the rotated k and v at ``slots``.
 
     q: [T, H * head_dim], k and v: [T, KVH * head_dim], each with unit stride along its last dim
@@ -101,8 +96,7 @@ def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     ``num_warps``: Triton warps per program (bench.gpu prefill_parts times the choices).
     ``pdl``: launch with programmatic dependent launch (CUDA, sm90+): the kernel waits for the one
     before it before reading anything and lets the next one launch at once (the decode graphs' split-KV
-    attention, :mod:`engine.attention.split_kv_decode`, which waits for this one). ``hoist``: with
-    ``pdl``, the slot, position and cos/sin loads come before the wait (they are step inputs).
+    attention, :mod:`engine.attention.split_kv_decode`, which waits for this one).
 
     Raises ValueError on mismatched shapes, dtypes, devices or strides, before anything is written.
     Slots are not range-checked (that would need a device sync inside a CUDA graph): they are
@@ -142,5 +136,5 @@ def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     grid = (T, (h + 2 * kvh) // bh)
     _KERNEL[grid](q, k, v, positions, slots, cos_sin_cache, k_pages, v_pages, q.stride(0), k.stride(0),
                   v.stride(0), cos_sin_cache.stride(0), k_pages.stride(0), k_pages.stride(1),
-                  H=h, KVH=kvh, D=d, PS=ps, BH=bh, PDL=pdl, HOIST=hoist, num_warps=num_warps,
+                  H=h, KVH=kvh, D=d, PS=ps, BH=bh, PDL=pdl, num_warps=num_warps,
                   **({"launch_pdl": True} if pdl else {}))

@@ -128,17 +128,3 @@ def test_the_decode_pdl_switch_needs_a_split_kv_graph_and_a_known_value(monkeypa
     monkeypatch.setenv("HALFMOON_DECODE_PDL", "yes")
     with pytest.raises(ValueError, match="HALFMOON_DECODE_PDL='yes': expected 0 or 1"):
         check_gpu_env(ALL_ON)
-
-
-def test_the_pdl_hoist_switch_needs_pdl(monkeypatch):
-    from engine.cuda_graph_runner import decode_pdl_hoist
-
-    assert decode_pdl_hoist("") is False and decode_pdl_hoist("1") is True
-    monkeypatch.setenv("HALFMOON_DECODE_PDL_HOIST", "1")
-    check_gpu_env(ALL_ON)
-    monkeypatch.setenv("HALFMOON_DECODE_PDL", "0")
-    with pytest.raises(ValueError, match="HALFMOON_DECODE_PDL_HOIST has no effect"):
-        check_gpu_env(ALL_ON)
-    monkeypatch.setenv("HALFMOON_DECODE_PDL_HOIST", "2")
-    with pytest.raises(ValueError, match="HALFMOON_DECODE_PDL_HOIST='2': expected 0 or 1"):
-        check_gpu_env(ALL_ON)

@@ -189,10 +189,9 @@ def test_model_matches_transformers_on_gpu(shape):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("decode_attn,pdl,hoist", [("", "", ""), ("split_kv", "", ""), ("flashinfer", "", ""),
-                                                   ("", "0", ""), ("", "", "1")])
+@pytest.mark.parametrize("decode_attn,pdl", [("", ""), ("split_kv", ""), ("flashinfer", ""), ("", "0")])
 @pytest.mark.parametrize("n_req,max_bs,bucket", [(3, 8, 4), (29, 32, 32)])
-def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode_attn, pdl, hoist, monkeypatch):
+def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode_attn, pdl, monkeypatch):
     """A decode batch of 3 (bucket 4: o/down on tinygemm) or 29 (bucket 32: captured under cuBLASLt)
     through the graph equals the eager forward (flashinfer's decode wrapper), and the pad entries
     write only the scratch page. Unset, each bucket takes its default attention (``decode_attention``:
@@ -200,11 +199,9 @@ def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode
     splits, most of them empty, merged in-kernel); ``HALFMOON_DECODE_ATTN`` forces one kernel for
     every bucket ("flashinfer": the graph-mode wrapper, planned on the host before each replay).
     The split-KV buckets launch the RoPE + K/V store and the attention with programmatic dependent
-    launch (each waiting for the kernel before it) unless ``HALFMOON_DECODE_PDL=0``;
-    ``HALFMOON_DECODE_PDL_HOIST=1`` moves the loads of step inputs (and the first K/V tile) before the waits."""
+    launch (each waiting for the kernel before it) unless ``HALFMOON_DECODE_PDL=0``."""
     monkeypatch.setenv("HALFMOON_DECODE_ATTN", decode_attn)
     monkeypatch.setenv("HALFMOON_DECODE_PDL", pdl)
-    monkeypatch.setenv("HALFMOON_DECODE_PDL_HOIST", hoist)
     from engine.config import EngineConfig
     from engine.cuda_graph_runner import decode_attention
     from engine.forward_batch import ForwardBatch, ForwardMode
@@ -226,7 +223,7 @@ def test_graph_decode_equals_eager_and_pads_safely(n_req, max_bs, bucket, decode
     gr = r.graph_runner
     assert gr.attn[bucket] == (decode_attn or decode_attention(bucket, ""))
     assert gr.attn[1] == (decode_attn or "split_kv")
-    assert gr.pdl is (pdl != "0") and gr.hoist is (hoist == "1")
+    assert gr.pdl is (pdl != "0")
     for buf in r.kv_pool.buffers():
         buf.normal_()
     rows, locs, lens = [], [], ([5, 40, 17] + [3 + 7 * i % 60 for i in range(n_req - 3)])[:n_req]

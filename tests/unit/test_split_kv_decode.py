@@ -19,18 +19,17 @@ def test_interpreted_cases_pass():
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
                        env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "15 passed" in r.stdout, r.stdout[-2000:]  # every case ran: none skipped or deselected
+    assert "10 passed" in r.stdout, r.stdout[-2000:]  # every case ran: none skipped or deselected
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("pdl,hoist", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("B,C", [(1, 1024), (3, 777), (8, 4096), (40, 300)])
-def test_compiled_kernel_matches_the_reference_on_gpu(B, C, pdl, hoist):
+def test_compiled_kernel_matches_the_reference_on_gpu(B, C, pdl):
     """bf16 on the GPU, compiled: the in-kernel merge (one ticket per program, the last merges) holds
     across 20 launches, each equal to the float32 reference within bf16 rounding. With ``pdl`` each
-    launch follows a kernel that writes q (programmatic dependent launch: the kernel must wait for it);
-    ``hoist`` loads each program's first K/V tile before that wait."""
+    launch follows a kernel that writes q (programmatic dependent launch: the kernel must wait for it)."""
     import torch
 
     from engine.attention.split_kv_decode import SplitKVDecode, reference
@@ -54,7 +53,7 @@ def test_compiled_kernel_matches_the_reference_on_gpu(B, C, pdl, hoist):
         if pdl:  # q rewritten by the kernel just before, with a wrong value first
             q.fill_(float(i + 1))
             q.copy_(q_src)
-        out = att(q, k, v, r2t, rows, seq, pdl=pdl, hoist=hoist)
+        out = att(q, k, v, r2t, rows, seq, pdl=pdl)
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     assert int(att.counter.abs().sum()) == 0
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 22, call 3 (GPU_NOTES.md): decode PDL default | HALFMOON_DECODE_PDL_HOIST=1 interleaved
+# Session 22, call 3 (GPU_NOTES.md; not run, needs commit 8358d59, whose switch was removed again): decode PDL default | HALFMOON_DECODE_PDL_HOIST=1 interleaved
 # twice (B = 1, 8, 32 at ctx 1k and 4k, one process a run: ~300 s of device time were left), then the
 # GPU tests of the split-KV kernel, the store and the graph (ops carried in gpu-cache/).
 set -u
