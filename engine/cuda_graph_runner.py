@@ -90,7 +90,8 @@ def decode_pdl(env: str | None = None) -> bool:
     weight before the attention ends. Measured (Llama-3.1-8B shapes, bf16, one H100, two
     interleaved runs, bench/results/GPU_NOTES.md session 22): the replay was shorter in all 22 cells
     (B = 1, 4, 8, 32, 64 at ctx 1k and 4k and B=128 at 1k): -0.04 to -0.07 ms at B = 1-4 ctx 1k,
-    -0.08 to -0.10 at B=8 1k, -0.19 to -0.24 at B=8 4k, -0.015 to -0.07 from B=32 up. Raises
+    -0.08 to -0.10 at B=8 1k, -0.19 to -0.24 at B=8 4k, -0.015 to -0.07 from B=32 up; a third run
+    on another H100 agreed in 8 of 9 cells, B=64 ctx 4k +0.014 ms (a tie there). Raises
     ValueError on any other value."""
     env = os.environ.get("HALFMOON_DECODE_PDL", "") if env is None else env
     if env not in ("", "0", "1"):
