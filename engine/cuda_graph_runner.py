@@ -146,7 +146,7 @@ class _SplitKV(AttentionBackend):
         super().__init__(backend.kv_pool, backend.req_to_token_pool, backend.num_heads, backend.num_kv_heads,
                          backend.head_dim, backend.scale)
         self.kernel = kernel
-        self.pdl = pdl  # read by the fused ops' RoPE + K/V store too (engine.fused_ops)
+        self.pdl = pdl  # AttentionBackend.pdl: the fused ops' RoPE + K/V store is launched the same way
 
     def init_forward(self, batch) -> None:
         pass  # nothing to plan: the kernel reads req_to_token and seq_lens on the device
@@ -206,10 +206,11 @@ class CudaGraphRunner:
         self.split_kv = None  # the kernel, made when some bucket uses it
         self.attn = {b: decode_attention(b) for b in self.buckets}  # per bucket: "flashinfer" | "split_kv"
         # the split-KV buckets' store and attention kernels; griddepcontrol needs sm90+
-        sm90 = torch.cuda.get_device_capability(dev)[0] >= 9
+        major, minor = torch.cuda.get_device_capability(dev)
+        sm90 = major >= 9
         if os.environ.get("HALFMOON_DECODE_PDL", "") == "1" and not sm90:
             raise ValueError(f"HALFMOON_DECODE_PDL=1 needs an sm90+ GPU (programmatic dependent launch); "
-                             f"{torch.cuda.get_device_name(dev)} is sm{''.join(map(str, torch.cuda.get_device_capability(dev)))}")
+                             f"{torch.cuda.get_device_name(dev)} is sm{major}{minor}")
         self.pdl = decode_pdl() and sm90
         if "split_kv" in self.attn.values():
             from engine.attention.split_kv_decode import SplitKVDecode

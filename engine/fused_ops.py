@@ -128,7 +128,7 @@ class FusedOps:
         if self.rope_store and backend.has_attend:
             pool = backend.kv_pool
             rope_kv_store(q, k, v, batch.positions, self.cos_sin_cache, batch.out_cache_loc,
-                          pool.k_pages(attn.layer), pool.v_pages(attn.layer), pdl=getattr(backend, "pdl", False))
+                          pool.k_pages(attn.layer), pool.v_pages(attn.layer), pdl=backend.pdl)
             return backend.attend(q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D), attn.layer, batch)
         self.rope_(batch.positions, q, k)
         return backend.forward(q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D), attn.layer, batch)

@@ -42,6 +42,9 @@ class AttentionBackend(abc.ABC):
 
     #: True when the backend has :meth:`attend` (attention over K/V the caller stored itself).
     has_attend = False
+    #: True when the caller's fused K/V store before :meth:`attend` is to be launched with
+    #: programmatic dependent launch, because ``attend`` waits for it (engine.cuda_graph_runner).
+    pdl = False
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                batch: ForwardBatch) -> torch.Tensor:
