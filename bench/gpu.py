@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     p.add_argument("--micro-cases", default=None, type=parse_cases,
                    help="BxCONTEXT cases (comma list) of split_kv_micro (default its 16) and "
                         "split_kv_factors (default 64x1024,64x4096)")
+    p.add_argument("--micro-grid", default="small", choices=("small", "wide"),
+                   help="split_kv_micro's launch shapes: its 12-shape grid or the 44-shape WIDE_GRID")
     p.add_argument("--gemm-rate", type=float, default=None, help="FLOP/s for the floors (default: the GPU model's nominal, bench.gpu_ceilings.NOMINAL)")
     args = p.parse_args(argv)
     res = {}

@@ -3,7 +3,7 @@ Llama-8B heads, bf16, page 16, pages shuffled) captured in one CUDA graph, flash
 tensor-core decode wrapper (split-KV kernel + merge kernel a layer, the engine's default) against
 engine.attention.split_kv_decode (one Triton kernel a layer, partials merged in-kernel) for each
 launch shape of a small grid (32/64 tokens a tile x 2/3 pipeline stages x 1/2/4 programs per SM;
-4 warps). Reports
+4 warps) or, with ``--micro-grid wide``, :data:`WIDE_GRID` (44 shapes). Reports
 µs a layer, TB/s of KV read, the largest |difference| from the wrapper's output, and per case the
 fastest shape beside the engine's shape for that batch size (``default_config``). The cases: the
 xqa micro's (B = 1, 8, 32, 128 at ctx 1k and 4k) and B = 2, 4, 16, 64 (the graph buckets between),
@@ -31,6 +31,12 @@ from engine.attention.split_kv_decode import SplitConfig, SplitKVDecode, default
 CASES = tuple(sorted(set(XQA_CASES) | {(b, c) for b in (2, 4, 16, 64) for c in (1024, 4096)},
                      key=lambda bc: (bc[1], bc[0])))
 GRID = [SplitConfig(block_n=n, stages=s, ctas_per_sm=c) for n, s, c in itertools.product((32, 64), (2, 3), (1, 2, 4))]
+# ``--micro-grid wide``: 128-token tiles, four stages, three programs an SM and eight warps too (a
+# shape whose K/V ring does not fit shared memory fails to launch and is reported as an error)
+WIDE_GRID = ([SplitConfig(block_n=n, stages=s, ctas_per_sm=c)
+              for n, s, c in itertools.product((32, 64, 128), (2, 3, 4), (1, 2, 3, 4))]
+             + [SplitConfig(block_n=n, warps=8, stages=s, ctas_per_sm=c)
+                for n, s, c in itertools.product((64, 128), (2, 3), (1, 2))])
 
 
 def split_kv_micro(args) -> dict:
@@ -41,6 +47,7 @@ def split_kv_micro(args) -> dict:
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = getattr(args, "micro_cases", None) or CASES
+    grid = WIDE_GRID if getattr(args, "micro_grid", "small") == "wide" else GRID
     page_major = getattr(args, "kv_layout", None) == "page_major"
     for B, C in cases:
         default = default_config(B)
@@ -87,7 +94,7 @@ def split_kv_micro(args) -> dict:
             row["flashinfer_TBps"] = byts / row["flashinfer_us"] / 1e6
         except Exception as e:
             row["flashinfer_error"] = repr(e)[:300]
-        for cfg in GRID + ([default] if default not in GRID else []):
+        for cfg in grid + ([default] if default not in grid else []):
             att = SplitKVDecode(H, KVH, D, PS, B, dev, scale=D ** -0.5, sms=sms, config=cfg)
             outs = [torch.empty(B, H, D, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
 
@@ -95,7 +102,7 @@ def split_kv_micro(args) -> dict:
                 for i in range(layers):
                     att(q, kv[i][0], kv[i][1], r2t, req_rows, seq, out=outs[i])
 
-            shape = {"block_n": cfg.block_n, "stages": cfg.stages, "ctas_per_sm": cfg.ctas_per_sm,
+            shape = {"block_n": cfg.block_n, "warps": cfg.warps, "stages": cfg.stages, "ctas_per_sm": cfg.ctas_per_sm,
                      "splits": num_splits(B, KVH, sms, cfg.ctas_per_sm)}
             try:
                 shape["us"] = _graph_us(run_sk, layers)
@@ -116,7 +123,7 @@ def split_kv_micro(args) -> dict:
         best, dflt = row.get("best", {}), row.get("default", {})
         print(f"split_kv_micro B={B:4d} ctx={C:5d}: flashinfer {fi:7.2f} us/layer | default "
               f"{dflt.get('us', float('nan')):7.2f} | best {best.get('us', float('nan')):7.2f} "
-              f"(n{best.get('block_n')} s{best.get('stages')} c{best.get('ctas_per_sm')} S{best.get('splits')}) "
+              f"(n{best.get('block_n')} w{best.get('warps')} s{best.get('stages')} c{best.get('ctas_per_sm')} S{best.get('splits')}) "
               f"max|diff| {best.get('max_abs_diff', float('nan')):.2e} floor {row['floor_us']:.2f}", flush=True)
         rows.append(row)
         del kv, w
