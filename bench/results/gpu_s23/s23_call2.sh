@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 23, call 2 (GPU_NOTES.md): decode with MID_BATCH_CONFIG (the new default for 32-47
-# requests) | the old shape (LARGE_BATCH_CONFIG, patched in before the bench runs) interleaved twice,
+# Session 23, call 2 (GPU_NOTES.md; not run: no machine lent): decode with the candidate shape for
+# 32-47 requests (128-token tiles, 2 stages, one program an SM, patched into default_config in the
+# bench process) | the shipped default interleaved twice,
 # B = 24, 32, 48 at ctx 1k and 4k (24 and 48 do not change: controls); the GPU tests (ops carried).
 set -u
 source scripts/gpu_call_env.sh
@@ -9,7 +10,9 @@ run() {  # $1: new | old, $2: run number
   step "decode $1 run $2"
   timeout 100 python3 -c "
 import sys, engine.attention.split_kv_decode as m
-if '$1' == 'old': m.MID_BATCH_CONFIG = m.LARGE_BATCH_CONFIG
+if '$1' == 'new':
+    base, mid = m.default_config, m.SplitConfig(block_n=128, stages=2, ctas_per_sm=1)
+    m.default_config = lambda b: mid if 32 <= b <= 47 else base(b)
 from bench.gpu import main
 sys.exit(main(['decode', '--iters', '20', '--batches', '24,32,48', '--contexts', '1024,4096',
                '--eager-batches', '0', '--out', '$OUT/d-$1-$2.json']))" 2>&1 | keep_rows
