@@ -2,10 +2,12 @@
 # Session 23, call 2 (GPU_NOTES.md; not run: no machine lent): decode with the candidate shape for
 # 32-47 requests (128-token tiles, 2 stages, one program an SM, patched into default_config in the
 # bench process) | the shipped default interleaved twice,
-# B = 24, 32, 48 at ctx 1k and 4k (24 and 48 do not change: controls); the GPU tests (ops carried).
+# B = 24, 32, 48 at ctx 1k and 4k (24 and 48 do not change: controls); the GPU tests in the time left
+# (they compile the flashinfer ops when the checkout lacks gpu-cache/; the ops go back to $OUT).
 set -u
 source scripts/gpu_call_env.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+save_ops() { (cd ~/.cache && find flashinfer -name '*.so' | tar -czf "$OUT/flashinfer-so.tar.gz" -T -) 2>/dev/null; }
 run() {  # $1: new | old, $2: run number
   step "decode $1 run $2"
   timeout 100 python3 -c "
@@ -18,6 +20,8 @@ sys.exit(main(['decode', '--iters', '20', '--batches', '24,32,48', '--contexts',
                '--eager-batches', '0', '--out', '$OUT/d-$1-$2.json']))" 2>&1 | keep_rows
 }
 for i in 1 2; do run new $i; run old $i; done
-step gpu_tests
-timeout 250 bash -c "$(declare -f gpu_tests); gpu_tests"
+left=$(( 565 - ($(date +%s) - t0) ))
+step "gpu_tests (${left} s left)"
+timeout $left bash -c "$(declare -f gpu_tests); gpu_tests"
+save_ops
 step done
