@@ -59,15 +59,20 @@ def test_compiled_kernel_matches_the_reference_on_gpu(B, C, pdl):
 
 
 def test_the_launch_shape_follows_the_batch_size_and_sizes_the_workspace():
-    """Without a config each launch takes ``default_config`` of its batch size (two stages from
-    LARGE_FROM_BATCH up), and the partials workspace holds the largest batch x splits of any of them."""
-    from engine.attention.split_kv_decode import (LARGE_BATCH_CONFIG, LARGE_FROM_BATCH, SMALL_BATCH_CONFIG,
-                                                  SplitKVDecode, default_config, num_splits)
+    """Without a config each launch takes ``default_config`` of its batch size (128-token tiles and one
+    split within MID_BATCH_ROWS, two stages from LARGE_FROM_BATCH up), and the partials workspace
+    holds the largest batch x splits of any of them."""
+    from engine.attention.split_kv_decode import (LARGE_BATCH_CONFIG, LARGE_FROM_BATCH, MID_BATCH_CONFIG,
+                                                  MID_BATCH_ROWS, SMALL_BATCH_CONFIG, SplitKVDecode,
+                                                  default_config, num_splits)
 
     assert default_config(1) == SMALL_BATCH_CONFIG and default_config(LARGE_FROM_BATCH - 1) == SMALL_BATCH_CONFIG
-    assert default_config(LARGE_FROM_BATCH) == LARGE_BATCH_CONFIG and default_config(256) == LARGE_BATCH_CONFIG
+    assert default_config(32) == MID_BATCH_CONFIG and default_config(MID_BATCH_ROWS[1]) == MID_BATCH_CONFIG
+    assert num_splits(32, 8, 132, MID_BATCH_CONFIG.ctas_per_sm) == 1  # one split: the kernel merges nothing
+    assert default_config(MID_BATCH_ROWS[1] + 1) == LARGE_BATCH_CONFIG and default_config(256) == LARGE_BATCH_CONFIG
     att = SplitKVDecode(32, 8, 128, 16, max_batch=64, device="cpu", sms=132)
     assert att.config_for(1) == SMALL_BATCH_CONFIG and att.config_for(64) == LARGE_BATCH_CONFIG
+    assert att.config_for(32) == MID_BATCH_CONFIG
     most = max(b * num_splits(b, 8, 132, default_config(b).ctas_per_sm) for b in range(1, 65))
     assert att.part_ml.numel() == most * 8 * 4 * 2
     fixed = SplitKVDecode(32, 8, 128, 16, max_batch=64, device="cpu", sms=132, config=SMALL_BATCH_CONFIG)
