@@ -4,8 +4,9 @@
 # JIT-cache .so unless ninja's .o files are there too), and defines `step NAME`, a section header
 # with the seconds since this file was sourced, and `gpu_tests`, the GPU unit tests by file (the GPU
 # machine lacks the services' packages, so `pytest -m gpu tests/unit` as a whole stops at collection)
-# printing only the summary and failed asserts (the whole log goes to $OUT/gpu_tests.log), and
-# `keep_rows`, a filter keeping bench.gpu decode's table rows and errors.
+# printing only the summary and failed asserts (the whole log goes to $OUT/gpu_tests.log),
+# `keep_rows`, a filter keeping bench.gpu decode's table rows and errors, and `save_ops`, which brings
+# the flashinfer ops this call compiled back as $OUT/flashinfer-so.tar.gz (for gpu-cache/).
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0
 site=/tmp/site; mkdir -p $site
 python3 -m pip install -q --no-index --no-deps --no-compile --target $site .whl/*.whl 2>&1 | grep -v "already exists"
@@ -28,4 +29,5 @@ gpu_tests() {  # the test files with GPU cases that run there (test_head_blocks,
   grep -E "[0-9]+ (passed|failed)" /tmp/gpu_tests.log | tail -1  # the summary (native-extension leak notes follow it)
   return $rc
 }
+save_ops() { (cd ~/.cache && find flashinfer -name '*.so' | tar -czf "$OUT/flashinfer-so.tar.gz" -T -) 2>/dev/null; }
 keep_rows() { grep -E '^ +[0-9]+ +[0-9]+ |Error' | cut -c1-84; }

@@ -62,12 +62,12 @@ SMALL_BATCH_CONFIG = SplitConfig(block_n=64, stages=3, ctas_per_sm=2)
 LARGE_BATCH_CONFIG = SplitConfig(block_n=64, stages=2, ctas_per_sm=2)
 LARGE_FROM_BATCH = 32
 # From 32 to 47 requests: 128-token tiles and one program an SM, so one split (no partials, no
-# merge) and half as many loop steps. In a 44-shape sweep on an H100 it was the
-# fastest at B=32 ctx 1k: 49.2 against 52.5 µs a layer for LARGE_BATCH_CONFIG's two splits (2.72
-# against 2.55 TB/s of 134 MB), but 8.7 % slower at B=64 (its 128 KB ring leaves one program an SM).
+# merge) and half as many loop steps. In a 44-shape sweep on an H100 it was the fastest at B=32
+# ctx 1k: 49.2 against 52.5 µs a layer for LARGE_BATCH_CONFIG's two splits (2.72 against 2.55 TB/s
+# of 134 MB), but 8.7 % slower at B=64 (its 128 KB ring leaves one program an SM).
 # In the captured decode step at B=32 (H100, two runs) it saves 0.04 ms at ctx 1k and 0.09 ms at 4k.
 MID_BATCH_CONFIG = SplitConfig(block_n=128, stages=2, ctas_per_sm=1)
-MID_BATCH_ROWS = (32, 47)
+MID_BATCH_ROWS = (LARGE_FROM_BATCH, 47)
 
 
 def default_config(batch: int) -> SplitConfig:

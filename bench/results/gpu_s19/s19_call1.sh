@@ -6,7 +6,6 @@
 set -u
 source scripts/gpu_call_env.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-save_ops() { (cd ~/.cache && find flashinfer -name '*.so' | tar -czf "$OUT/flashinfer-so.tar.gz" -T -) 2>/dev/null; }
 step "split_kv tests"
 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/unit/test_split_kv_decode.py \
   tests/unit/test_gpu_flashinfer.py -k "compiled_kernel or graph_decode_equals_eager" > "$OUT/tests.log" 2>&1

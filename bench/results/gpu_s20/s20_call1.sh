@@ -6,7 +6,6 @@
 set -u
 source scripts/gpu_call_env.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-save_ops() { (cd ~/.cache && find flashinfer -name '*.so' | tar -czf "$OUT/flashinfer-so.tar.gz" -T -) 2>/dev/null; }
 step gpu_tests
 timeout 150 bash -c "$(declare -f gpu_tests); gpu_tests"
 save_ops

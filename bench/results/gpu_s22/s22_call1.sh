@@ -7,7 +7,6 @@ set -u
 source scripts/gpu_call_env.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import triton; print('triton', triton.__version__)"
-save_ops() { (cd ~/.cache && find flashinfer -name '*.so' | tar -czf "$OUT/flashinfer-so.tar.gz" -T -) 2>/dev/null; }
 decode_pair() {  # $1: run number
   for pdl in "" 1; do
     step "decode PDL='$pdl' run $1"

@@ -13,7 +13,6 @@ for pdl in "" 0; do
 done
 step prefill
 timeout 150 python3 -m bench.gpu ceilings prefill --out "$OUT/prefill.json" 2>&1 | grep -E "^ceilings|^prefill|paged kernels|Error" | cut -c1-140
-save_ops() { (cd ~/.cache && find flashinfer -name '*.so' | tar -czf "$OUT/flashinfer-so.tar.gz" -T -) 2>/dev/null; }
 save_ops
 step gpu_tests
 timeout 280 bash -c "$(declare -f gpu_tests); gpu_tests"

@@ -6,7 +6,6 @@
 set -u
 source scripts/gpu_call_env.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-save_ops() { (cd ~/.cache && find flashinfer -name '*.so' | tar -czf "$OUT/flashinfer-so.tar.gz" -T -) 2>/dev/null; }
 decode_pair() {  # $1: run number
   for hoist in "" 1; do
     step "decode HOIST='$hoist' run $1"

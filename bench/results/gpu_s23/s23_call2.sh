@@ -7,7 +7,6 @@
 set -u
 source scripts/gpu_call_env.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-save_ops() { (cd ~/.cache && find flashinfer -name '*.so' | tar -czf "$OUT/flashinfer-so.tar.gz" -T -) 2>/dev/null; }
 run() {  # $1: new | old, $2: run number
   step "decode $1 run $2"
   timeout 100 python3 -c "
